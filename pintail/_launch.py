@@ -1,0 +1,48 @@
+"""Helpers shared by every op: where a tensor runs, which dtypes the kernels take,
+and how a tensor is seen as a matrix of rows for a row-wise kernel."""
+
+import torch
+import triton
+
+# triton.jit picks the interpreter or the compiler when a kernel is decorated, so the
+# choice is read once, at import, exactly as the kernels saw it.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+# The kernels load these dtypes and compute in float32.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def runs_kernels(t: torch.Tensor) -> bool:
+    """CUDA tensors run the compiled kernels; CPU tensors run them in the Triton
+    interpreter when TRITON_INTERPRET=1 was set before import, else the torch reference."""
+    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+def canonical_dim(dim: int, ndim: int) -> int:
+    """`dim` wrapped into [0, ndim), raising what torch raises when it is out of range."""
+    rank = max(ndim, 1)  # a 0-d tensor accepts dim 0 and -1, as in torch
+    if not -rank <= dim < rank:
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {dim})")
+    return dim % rank
+
+
+def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` seen as an (M, N) matrix whose rows run along `dim` with unit stride.
+
+    No copy when the layout allows one row stride (e.g. a contiguous tensor, or a slice
+    of rows); a copy only when the elements of a row are not adjacent in memory."""
+    moved = t.movedim(dim, -1)
+    if moved.dim() == 0:
+        moved = moved.reshape(1)
+    if moved.stride(-1) != 1:
+        moved = moved.contiguous()
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An output of t's shape whose rows along `dim` are contiguous: the layout a row-wise
+    kernel writes. The fake (meta) implementations call this too, so that compiled graphs
+    see the strides the real op returns."""
+    moved_shape = t.movedim(dim, -1).shape
+    return torch.empty(moved_shape, dtype=dtype, device=t.device).movedim(-1, dim)

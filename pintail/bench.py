@@ -1,0 +1,264 @@
+"""python -m pintail.bench: the benchmark on a GPU, a kernel check on a CPU.
+
+On a GPU it follows ../shared/BENCHMARKS.md: measure the copy ceiling (y.copy_(x), 2^30
+bf16 elements), then for each op, direction and shape time pintail, PyTorch eager and
+torch.compile(dynamic=False) with triton.testing.do_bench (median, L2 flushed), and report
+each as ms, TB/s and a fraction of the copy bandwidth of the same run. It prints a table and
+writes results.json and bandwidth.png into --out.
+
+Without a GPU it checks every op's kernels in the Triton interpreter at small sizes against
+float64 torch, prints a pass/fail table, and exits non-zero on a failure.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Op:
+    """One op as the bench sees it: the pintail and torch functions of (x, ...) on rows of
+    length N, and the fewest bytes per element each direction must move."""
+    pintail: Callable
+    torch: Callable
+    forward_bytes: int     # per element, in units of the element size
+    backward_bytes: int
+    sizes: tuple           # default row lengths N
+
+
+def _ops():
+    import pintail
+    return {
+        "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1), 2, 3,
+                      (1024, 4096, 8192, 32768, 131072, 262144)),
+        "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1), 2, 3,
+                          (1024, 4096, 8192, 32768, 131072, 262144)),
+    }
+
+
+DEFAULT_OPS = ["softmax"]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops, or 'all' (softmax, log_softmax); default: "
+                        f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
+    p.add_argument("--directions", default="fwd,bwd", help="fwd, bwd or both (default %(default)s)")
+    p.add_argument("--sizes", default=None, help="comma-separated row lengths N (default: each op's own)")
+    p.add_argument("--elements", type=int, default=2**27, help="M*N per shape (default 2^27)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--providers", default="pintail,eager,compile", help="default %(default)s")
+    p.add_argument("--out", default="bench-out", help="folder for results.json and bandwidth.png")
+    return p.parse_args(argv)
+
+
+def _selected_ops(args, default):
+    ops = _ops()
+    names = list(ops) if (args.ops or default) == "all" else (args.ops or default).split(",")
+    unknown = [n for n in names if n not in ops]
+    if unknown:
+        raise SystemExit(f"unknown op(s) {unknown}; expected some of {list(ops)}")
+    return {n: ops[n] for n in names}
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _time_ms(fn):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _copy_bandwidth():
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = _time_ms(lambda: y.copy_(x))
+    del x, y
+    return 2 * 2**30 * 2 / (ms * 1e-3)
+
+
+def _step(fn, direction, M, N, dtype):
+    """A zero-argument function that runs one forward, or one backward of a saved forward."""
+    x = torch.randn(M, N, device="cuda", dtype=dtype)
+    if direction == "fwd":
+        return lambda: fn(x)
+    x.requires_grad_(True)
+    y = fn(x)
+    dy = torch.randn_like(y)
+    return lambda: torch.autograd.grad(y, (x,), dy, retain_graph=True)
+
+
+def benchmark(args):
+    import triton
+    ops = _selected_ops(args, ",".join(DEFAULT_OPS))
+    dtype = DTYPES[args.dtype]
+    elem = torch.finfo(dtype).bits // 8
+    providers = args.providers.split(",")
+    directions = args.directions.split(",")
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    copy_bw = _copy_bandwidth()
+    print(f"copy ceiling: {copy_bw / 1e12:.2f} TB/s (y.copy_(x), 2^30 bf16 elements)", flush=True)
+
+    plan = [(name, d, N) for name, op in ops.items() for d in directions
+            for N in ([int(s) for s in args.sizes.split(",")] if args.sizes else op.sizes)]
+    results = []
+    for i, (name, direction, N) in enumerate(plan, 1):
+        op = ops[name]
+        M = max(1, args.elements // N)
+        nbytes = M * N * elem * (op.forward_bytes if direction == "fwd" else op.backward_bytes)
+        for provider in providers:
+            torch._dynamo.reset()  # dynamic=False: one graph per shape, no recompile limit
+            fn = {"pintail": op.pintail, "eager": op.torch,
+                  "compile": torch.compile(op.torch, dynamic=False)}[provider]
+            ms = _time_ms(_step(fn, direction, M, N, dtype))
+            tbps = nbytes / (ms * 1e-3) / 1e12
+            results.append({"op": name, "direction": direction, "M": M, "N": N, "provider": provider,
+                            "ms": ms, "tbps": tbps, "fraction_of_copy": tbps * 1e12 / copy_bw})
+            print(f"[{i}/{len(plan)}] {name} {direction} M={M} N={N} {provider}: {ms:.4f} ms, "
+                  f"{tbps:.2f} TB/s, {tbps * 1e12 / copy_bw:.2f} of copy", flush=True)
+        torch.cuda.empty_cache()
+
+    table = _table(results, providers)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "dtype": args.dtype, "copy_tbps": copy_bw / 1e12,
+                   "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    _plot(results, copy_bw, os.path.join(args.out, "bandwidth.png"))
+    return 0
+
+
+def _table(results, providers):
+    """Markdown: per op, direction and N, each provider's fraction of copy bandwidth, and
+    pintail's time and speed-up over the better of eager and compile."""
+    by_key = {}
+    for r in results:
+        by_key.setdefault((r["op"], r["direction"], r["N"]), {})[r["provider"]] = r
+    head = ["op", "dir", "N"] + [f"{p} (frac)" for p in providers]
+    if "pintail" in providers:
+        head += ["pintail ms", "pintail TB/s", "speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (op, d, N), row in by_key.items():
+        cells = [op, d, str(N)] + [f"{row[p]['fraction_of_copy']:.2f}" for p in providers]
+        if "pintail" in providers:
+            others = [row[p]["ms"] for p in ("eager", "compile") if p in row]
+            speedup = f"{min(others) / row['pintail']['ms']:.2f}x" if others else "-"
+            cells += [f"{row['pintail']['ms']:.4f}", f"{row['pintail']['tbps']:.2f}", speedup]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(results, copy_bw, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'pintail[bench]')")
+        return
+    panels = sorted({(r["op"], r["direction"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (op, d) in zip(axes[0], panels):
+        rows = [r for r in results if r["op"] == op and r["direction"] == d]
+        for provider in dict.fromkeys(r["provider"] for r in rows):
+            pts = sorted((r["N"], r["tbps"]) for r in rows if r["provider"] == provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider)
+        ax.axhline(copy_bw / 1e12, color="gray", linestyle="--", label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (row length)")
+        ax.set_ylabel("TB/s")
+        ax.set_title(f"{op} {d}")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# ------------------------------------------------------------------------------- CPU
+
+
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000)]   # the last is past the on-chip limit
+# relative error allowed, or twice torch's own error in the same dtype if that is larger
+CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _relative_error(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_in_interpreter(args):
+    """Every op's kernels, forward and backward, in the Triton interpreter at small sizes."""
+    import pintail.reference
+    from ._launch import INTERPRET
+    assert INTERPRET, "the check must run the kernels in the interpreter"
+
+    def refuse(*a, **k):
+        raise RuntimeError("the torch reference ran instead of a kernel")
+
+    for name, value in vars(pintail.reference).items():  # a pass must come from a kernel
+        if callable(value) and getattr(value, "__module__", None) == pintail.reference.__name__:
+            setattr(pintail.reference, name, refuse)
+
+    print("No GPU: checking every kernel in the Triton interpreter against float64 torch.", flush=True)
+    rows, failures = [], 0
+    for name, op in _selected_ops(args, "all").items():
+        for dtype in CHECK_TOLERANCE:
+            for M, N in CHECK_SIZES:
+                x = (torch.randn(M, N) * 3).to(dtype)
+                t0 = time.time()
+                try:
+                    xk = x.clone().requires_grad_()
+                    y = op.pintail(xk)
+                    dy = torch.randn_like(y)
+                    (dx,) = torch.autograd.grad(y, xk, dy)
+                    x64 = x.double().requires_grad_()
+                    y64 = op.torch(x64)
+                    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+                    xt = x.clone().requires_grad_()  # torch in the same dtype: the second bar
+                    yt = op.torch(xt)
+                    (dxt,) = torch.autograd.grad(yt, xt, dy)
+                    errs = (_relative_error(y, y64), _relative_error(dx, dx64))
+                    bars = [max(CHECK_TOLERANCE[dtype], 2 * _relative_error(t, t64))
+                            for t, t64 in ((yt, y64), (dxt, dx64))]
+                    ok = errs[0] <= bars[0] and errs[1] <= bars[1]
+                    detail = f"{errs[0]:.1e} / {errs[1]:.1e} (bar {bars[0]:.0e} / {bars[1]:.0e})"
+                except Exception as e:  # a crash is a failure to report, not to hide
+                    ok, detail = False, f"{type(e).__name__}: {e}"
+                failures += not ok
+                rows.append((name, str(dtype).replace("torch.", ""), f"{M}x{N}",
+                             "pass" if ok else "FAIL", detail, f"{time.time() - t0:.1f}s"))
+                print(f"{name} {rows[-1][1]} {M}x{N}: {rows[-1][3]}", flush=True)
+    print("\n| op | dtype | shape | result | rel. error fwd / bwd | time |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print(f"\n{len(rows) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+def main(argv=None):
+    args = _parse(argv)
+    if torch.cuda.is_available():
+        return benchmark(args)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # Kernels choose interpreter or compiler when defined: start again with it set.
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "pintail.bench", *(argv or sys.argv[1:])])
+    return check_in_interpreter(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Sweep the softmax launch configurations on a GPU (bf16, M*N = 2^27) and print, per
+direction and N, each configuration's fraction of the copy bandwidth. Feeds the tables in
+pintail/softmax.py and docs/perf-notes.md.
+
+    python scripts/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd]
+"""
+
+import argparse
+import importlib
+import json
+import os
+
+import torch
+from triton.testing import do_bench
+
+sm = importlib.import_module("pintail.softmax")
+
+
+def time_ms(fn):
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_bandwidth():
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
+
+
+def configs(N):
+    out = []
+    block_n = 1 << (N - 1).bit_length()
+    if N <= 32768:
+        for tile in sorted({block_n, 2048, 4096, 8192, 16384, 32768}):
+            if tile < block_n:
+                continue
+            for warps in (2, 4, 8, 16, 32):
+                per_thread = tile // (32 * warps)
+                if 4 <= per_thread <= 128:
+                    out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
+    if N >= 16384:
+        for block in (2048, 4096, 8192, 16384):
+            for warps in (4, 8, 16):
+                if 8 <= block // (32 * warps) <= 128:
+                    out.append({"plan": "split", "BLOCK": block, "num_warps": warps})
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
+    p.add_argument("--directions", default="fwd,bwd")
+    p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
+    args = p.parse_args()
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for direction in args.directions.split(","):
+        for N in map(int, args.sizes.split(",")):
+            M = 2**27 // N
+            x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty_like(x)
+            dy = torch.randn_like(x)
+            dx = torch.empty_like(x)
+            default = sm.forward_config(N) if direction == "fwd" else sm.backward_config(N)
+            nbytes = (2 if direction == "fwd" else 3) * M * N * 2
+            for cfg in configs(N):
+                if direction == "fwd":
+                    fn = lambda: sm.launch_forward(x, y, args.log, cfg)
+                else:
+                    fn = lambda: sm.launch_backward(y, dy, dx, args.log, cfg)
+                try:
+                    ms = time_ms(fn)
+                except Exception as e:  # e.g. out of shared memory or registers
+                    print(f"{direction} N={N} {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                frac = nbytes / (ms * 1e-3) / copy_bw
+                results.append({"direction": direction, "N": N, "config": cfg, "ms": ms, "fraction": frac,
+                                "default": cfg == default})
+                print(f"{direction} N={N} {cfg}: {ms:.4f} ms {frac:.3f}{' (default)' if cfg == default else ''}",
+                      flush=True)
+            del x, y, dy, dx
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "tune_softmax.json"), "w") as f:
+        json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
+    print("\nbest per shape:")
+    for direction in args.directions.split(","):
+        for N in map(int, args.sizes.split(",")):
+            rows = [r for r in results if r["direction"] == direction and r["N"] == N]
+            if not rows:
+                continue
+            best = max(rows, key=lambda r: r["fraction"])
+            default = next((r for r in rows if r["default"]), None)
+            print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
+                  f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

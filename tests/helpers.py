@@ -1,0 +1,27 @@
+"""Comparison helpers: pintail against torch, with a float64 computation as the truth."""
+
+import torch
+
+# Relative to the largest magnitude in the truth; torch in the same dtype is the other bar.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_matches(ours, truth, torch_same_dtype):
+    """`ours` equals the float64 `truth` up to the dtype's tolerance, or errs no more than
+    twice what torch errs in the same dtype; NaN and +-inf in the same places."""
+    assert ours.shape == truth.shape, (ours.shape, truth.shape)
+    assert ours.dtype == torch_same_dtype.dtype, (ours.dtype, torch_same_dtype.dtype)
+    ours64, truth64 = ours.detach().double().cpu(), truth.detach().double().cpu()
+    torch64 = torch_same_dtype.detach().double().cpu()
+    assert torch.equal(torch.isnan(ours64), torch.isnan(truth64)), "NaN in different places"
+    infinite = torch.isinf(truth64)
+    assert torch.equal(ours64[infinite], truth64[infinite]), "infinities differ"
+    finite = torch.isfinite(truth64)
+    if not finite.any():
+        return
+    err = (ours64[finite] - truth64[finite]).abs().max().item()
+    torch_err = (torch64[finite] - truth64[finite]).abs().max().item()
+    scale = truth64[finite].abs().max().item()
+    allowed = max(2 * torch_err, TOLERANCE[ours.dtype] * scale)
+    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g} (torch errs {torch_err:.3g})"

@@ -1,0 +1,108 @@
+"""Across ops: that the kernels are what ran, torch.compile, torch.library checks, CUDA graphs."""
+
+import importlib
+
+import pytest
+import torch
+import triton
+
+import pintail
+import pintail.reference
+from helpers import assert_matches
+
+softmax_module = importlib.import_module("pintail.softmax")
+
+
+def test_kernels_are_what_runs(device):
+    """On CPU the kernels are the interpreter's; on CUDA, compiled ones. Either way the torch
+    reference is out of reach during the tests (conftest), so every passing op ran a kernel."""
+    kernel = softmax_module._forward_rows_kernel
+    if device.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+        assert isinstance(kernel, InterpretedFunction)
+    else:
+        assert isinstance(kernel, triton.runtime.JITFunction)
+    with pytest.raises(AssertionError, match="torch reference ran"):
+        pintail.reference.softmax_forward(torch.ones(2), 0, False, torch.float32)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_torch_library_opcheck(op, device):
+    """Fake (meta) implementations, schema and autograd registration agree with the real op."""
+    x = torch.randn(4, 3, 50, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.pintail.softmax_forward.default, (x, 1, op == "log_softmax", torch.float32))
+    y = torch.rand(4, 50, device=device)
+    torch.library.opcheck(torch.ops.pintail.softmax_backward.default,
+                          (y, torch.randn_like(y), 1, op == "log_softmax", torch.bfloat16))
+
+
+def test_compile_fullgraph(device):
+    """torch.compile(fullgraph=True) traces through the ops with no graph break."""
+    def step(x, w):
+        h = pintail.softmax(x * w, dim=-1)
+        return pintail.log_softmax(h.transpose(0, 1), dim=0, dtype=torch.float32).square().mean()
+
+    backend = "inductor" if device.type == "cuda" else "aot_eager"  # aot_eager: fast on CPU, same tracing
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    x = torch.randn(6, 70, device=device, dtype=torch.bfloat16)
+    w = torch.randn(70, device=device, dtype=torch.bfloat16, requires_grad=True)
+    loss = compiled(x, w)
+    (grad,) = torch.autograd.grad(loss, w)
+    (grad_eager,) = torch.autograd.grad(step(x, w), w)
+    assert torch.equal(grad, grad_eager)  # compiling changes nothing: the same kernels ran
+
+    def step_torch(x, w):  # the same step in plain torch
+        h = torch.softmax(x * w, dim=-1)
+        return torch.log_softmax(h.transpose(0, 1), dim=0, dtype=torch.float32).square().mean()
+
+    (grad_torch,) = torch.autograd.grad(step_torch(x, w), w)
+    w64 = w.detach().double().requires_grad_()
+    (grad_truth,) = torch.autograd.grad(step_torch(x.double(), w64), w64)
+    assert_matches(grad, grad_truth, grad_torch)
+
+
+def test_cuda_graph_capture(device):
+    """No host synchronisation: forward and backward capture into a CUDA graph and replay."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    for N in (1000, 3 * softmax_module.SPLIT_BLOCK + 5):  # both plans
+        x = torch.randn(8, N, device=device, requires_grad=True)
+        dy = torch.randn(8, N, device=device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+            torch.autograd.grad(pintail.softmax(x, -1), x, dy)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = pintail.softmax(x, -1)
+            (dx,) = torch.autograd.grad(y, x, dy)
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        x_ref = x.detach().double().requires_grad_()
+        y_ref = torch.softmax(x_ref, -1)
+        (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy.double())
+        assert_matches(y, y_ref, torch.softmax(x.detach(), -1))
+        assert_matches(dx, dx_ref, dx_ref.float())
+
+
+def test_past_2_to_the_31_elements(device):
+    """Row offsets in int64: a (8200, 262144) bf16 tensor has 2^31 + 2^21 elements."""
+    if device.type != "cuda":
+        pytest.skip("needs 8.6 GB of GPU memory")
+    M, N = 8200, 262144
+    x = torch.randn(M, N, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = pintail.softmax(x, -1)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    for r in (0, 4095, 8192, M - 1):
+        row, row64 = x[r].detach(), x[r].detach().double().requires_grad_()
+        truth = torch.softmax(row64, -1)
+        (dx_truth,) = torch.autograd.grad(truth, row64, dy[r].double())
+        row = row.requires_grad_()
+        same_dtype = torch.softmax(row, -1)
+        (dx_same_dtype,) = torch.autograd.grad(same_dtype, row, dy[r])
+        assert_matches(y[r], truth, same_dtype)
+        assert_matches(dx[r], dx_truth, dx_same_dtype)

@@ -1,0 +1,181 @@
+import importlib
+
+import pytest
+import torch
+
+import pintail
+from helpers import DTYPES, assert_matches
+
+softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
+OPS = {"softmax": (pintail.softmax, torch.softmax), "log_softmax": (pintail.log_softmax, torch.log_softmax)}
+PAST_ON_CHIP = max(softmax_module.FORWARD_ROWS_MAX_N, softmax_module.BACKWARD_ROWS_MAX_N) + 1
+
+
+def check_op(op, x, dim=-1, dtype=None, dy=None):
+    """Forward and input gradient of pintail's op against torch: float64 truth, and torch in
+    the same dtype as the second bar."""
+    ours_fn, torch_fn = OPS[op]
+    x_ours = x.detach().requires_grad_(x.dtype.is_floating_point)
+    y = ours_fn(x_ours, dim, dtype=dtype)
+    x_torch = x.detach().requires_grad_(x.dtype.is_floating_point)
+    y_torch = torch_fn(x_torch, dim, dtype=dtype)
+    x_truth = x.detach().double().requires_grad_(x.dtype.is_floating_point)
+    y_truth = torch_fn(x_truth, dim)
+    assert_matches(y, y_truth, y_torch)
+    if not x.dtype.is_floating_point:
+        return y
+    if dy is None:
+        dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x_ours, dy)
+    (dx_torch,) = torch.autograd.grad(y_torch, x_torch, dy)
+    (dx_truth,) = torch.autograd.grad(y_truth, x_truth, dy.double())
+    assert dx.dtype == x.dtype
+    assert_matches(dx, dx_truth, dx_torch)
+    return y
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1, 7, 1000, 4097, PAST_ON_CHIP])
+def test_rows_of_every_length(op, dtype, N, device):
+    x = torch.randn(3, N, device=device, dtype=dtype) * 3
+    check_op(op, x)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (2, 1000), (9, 130)])
+def test_split_plan_with_small_slices(op, M, N, device):
+    """The split plan (slices, partials, last arrival writes the row) at a slice size small
+    enough that tiny rows cut into many slices; some slices and one row all -inf."""
+    x = torch.randn(M, N, device=device) * 4
+    x[0, : N // 2] = -float("inf")  # leading slices of row 0 hold nothing but -inf
+    config = {"plan": "split", "BLOCK": 64, "num_warps": 4}
+    for log in (False, True):
+        y = torch.empty_like(x)
+        softmax_module.launch_forward(x, y, log, config)
+        truth = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+        assert_matches(y, truth, (torch.log_softmax if log else torch.softmax)(x, -1))
+        dy = torch.randn_like(x)
+        dx = torch.empty_like(x)
+        softmax_module.launch_backward(y, dy, dx, log, config)
+        dx_truth = torch.ops.aten._softmax_backward_data(dy.double(), truth, 1, torch.float64) if not log \
+            else torch.ops.aten._log_softmax_backward_data(dy.double(), truth, 1, torch.float64)
+        assert_matches(dx, dx_truth, dx_truth.float())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_rows_plan_with_tiles_of_rows(op, device):
+    """Several rows per program, and a last tile that runs past the end."""
+    x = torch.randn(11, 100, device=device)
+    config = {"plan": "rows", "BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 4}
+    log = op == "log_softmax"
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    dy = torch.randn_like(x)
+    softmax_module.launch_forward(x, y, log, config)
+    softmax_module.launch_backward(y, dy, dx, log, config)
+    ref = OPS[op][1](x.double(), -1)
+    assert_matches(y, ref, ref.float())
+    backward = torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
+    dx_ref = backward(dy.double(), ref, 1, torch.float64)
+    assert_matches(dx, dx_ref, dx_ref.float())
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dim", [0, 1, -2, 2])
+def test_any_dim(op, dim, device):
+    x = torch.randn(4, 5, 37, device=device, dtype=torch.float32)
+    check_op(op, x, dim)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("view", ["transpose", "row_step", "column_step", "expand", "narrow"])
+def test_non_contiguous_views(op, view, device):
+    base = torch.randn(12, 40, device=device, dtype=torch.bfloat16)
+    x = {
+        "transpose": base.t(),              # rows strided: copied
+        "row_step": base[::3],              # one row stride: no copy
+        "column_step": base[:, ::2],        # columns strided: copied
+        "expand": base[:1].expand(5, 40),   # row stride 0
+        "narrow": base[2:9, 5:31],          # offset view with a row stride
+    }[view]
+    check_op(op, x)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_views_need_no_copy(op, device, monkeypatch):
+    """A slice of rows reaches the kernel as it is: no contiguous() copy in between."""
+    calls = []
+    original = softmax_module.launch_forward
+    monkeypatch.setattr(softmax_module, "launch_forward",
+                        lambda x, y, log, config=None: (calls.append(x), original(x, y, log, config)))
+    base = torch.randn(12, 40, device=device)
+    x = base[::3]
+    OPS[op][0](x)
+    assert calls[0].data_ptr() == x.data_ptr() and calls[0].stride() == (120, 1)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape, dim", [((0, 7), -1), ((3, 0), -1), ((0,), 0), ((2, 0, 3), 0), ((), 0), ((), -1)])
+def test_empty_and_scalar(op, shape, dim, device):
+    x = torch.randn(shape, device=device)
+    check_op(op, x, dim, dy=torch.randn(shape, device=device))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [33, PAST_ON_CHIP])
+def test_extreme_values(op, dtype, N, device):
+    x = torch.randn(6, N, device=device) * 2
+    x[0, ::5] = 1e4
+    x[1, ::7] = -1e4
+    x[2, 1::3] = -float("inf")
+    x[3, :] = -float("inf")        # every entry -inf: torch gives NaN
+    x[4, 3] = float("inf")         # one +inf: torch gives NaN
+    x[5, :] = 1e4                  # all equal and large: uniform
+    check_op(op, x.to(dtype), dy=torch.randn(6, N, device=device, dtype=dtype))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("in_dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16),
+                                                 (torch.float16, torch.bfloat16), (torch.int64, torch.float32)],
+                         ids=str)
+def test_dtype_argument(op, in_dtype, out_dtype, device):
+    x = (torch.randn(5, 300, device=device) * 4).to(in_dtype)
+    y = check_op(op, x, dtype=out_dtype)
+    assert y.dtype == out_dtype
+
+
+@pytest.mark.uses_reference
+@pytest.mark.parametrize("op", OPS)
+def test_float64_goes_to_torch(op, device):
+    x = torch.randn(4, 50, device=device, dtype=torch.float64)
+    check_op(op, x)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bad_input_raises_what_torch_raises(op, device):
+    ours, theirs = OPS[op]
+    x = torch.randn(3, 4, device=device)
+    for bad_dim in (2, -3):
+        with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\]"):
+            ours(x, bad_dim)
+        with pytest.raises(IndexError):
+            theirs(x, bad_dim)
+    ints = torch.ones(3, 4, dtype=torch.int64, device=device)
+    with pytest.raises(NotImplementedError, match="input has dtype torch.int64, expected a floating point"):
+        ours(ints, -1)
+    with pytest.raises(NotImplementedError):
+        theirs(ints, -1)
+    with pytest.raises(TypeError, match="dtype must be a floating point dtype, got torch.int32"):
+        ours(x, -1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="input must be a torch.Tensor, got list"):
+        ours([1.0, 2.0], -1)
+
+
+def test_modules_drop_in(device):
+    x = torch.randn(3, 5, 17, device=device)
+    for ours, theirs in ((pintail.nn.Softmax(dim=1), torch.nn.Softmax(dim=1)),
+                         (pintail.nn.LogSoftmax(dim=-1), torch.nn.LogSoftmax(dim=-1))):
+        truth = theirs(x.double())
+        assert_matches(ours(x), truth, theirs(x))
+        assert isinstance(ours, type(theirs))
