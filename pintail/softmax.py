@@ -7,12 +7,21 @@ writes dx. Every kernel here moves each of those once through HBM.
 Two plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
-- split: N is too long for one program. The row is cut into slices, one program each.
-  Every program reads its slice and publishes a partial (max, sum) for it; the last
-  program of a row to arrive (an atomic counter says which) combines the partials and
-  writes the whole row, re-reading x from L2, where its peers left it moments ago. No
-  program ever waits for another, so this runs in the interpreter too (where programs
-  run one after another) and cannot deadlock on the GPU.
+- split: N is too long for one program. The row is cut into slices of BLOCK elements and
+  each program does two jobs, `lag` rows apart:
+    read:  slice s of row r from HBM; publish its partial (max, sum of exp) and count
+           the arrival of row r;
+    write: slice s of row r - lag; wait until all slices of that row have arrived,
+           combine its partials into the log-sum-exp, re-read the slice (from L2: it was
+           read from HBM only `lag` rows ago) and write the output.
+  Programs take their work from a ticket counter (an atomic at entry), not from
+  program_id, so a program only ever waits for work whose ticket is smaller, taken by a
+  program already running that itself never waits on larger tickets: no deadlock,
+  whatever the dispatch order or how many programs fit on the GPU (the idea of the
+  decoupled look-back in single-pass prefix scans). In the interpreter, programs run one
+  after another in ticket order, so every wait is over before it starts.
+  HBM traffic: x read once, y written once. The lag is picked so that the waits are rare
+  (more tickets than programs in flight) and the lagged rows still fit in L2.
 """
 
 import torch
@@ -22,7 +31,8 @@ import triton.language as tl
 from . import reference
 from ._launch import KERNEL_DTYPES, as_rows, canonical_dim, empty_like_rows, runs_kernels
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 
 # ----------------------------------------------------------------------------- forward
@@ -39,7 +49,7 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
                 other=-float("inf")).to(tl.float32)
     row_max = tl.max(x, axis=1)
-    e = tl.exp2((x - row_max[:, None]) * 1.4426950408889634)
+    e = tl.exp2((x - row_max[:, None]) * LOG2E)
     total = tl.sum(e, axis=1)
     if LOG:
         y = (x - row_max[:, None]) - tl.log(total)[:, None]  # x - max first: exact, no cancellation
@@ -50,46 +60,44 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
 
 
 @triton.jit
-def _forward_split_kernel(x_ptr, y_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
-                          N, x_row_stride, y_row_stride, SLICES,
+def _forward_split_kernel(x_ptr, y_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
+                          M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
-    pid = tl.program_id(0)
-    row = pid // SLICES
-    x_row = x_ptr + row.to(tl.int64) * x_row_stride
-    y_row = y_ptr + row.to(tl.int64) * y_row_stride
+    # counters[0]: the next ticket; counters[1 + r]: slices of row r that have arrived.
+    ticket = tl.atomic_add(counters_ptr, 1)
+    row = ticket // SLICES
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
 
-    # 1. This program's slice: its max and its sum of exp(x - max).
-    cols = (pid % SLICES) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-    slice_max = tl.max(x, axis=0)
-    # A slice of -inf alone has sum 0 (not exp(-inf - -inf) = nan).
-    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
-    slice_sum = tl.sum(tl.exp2((x - shift) * 1.4426950408889634), axis=0)
-    tl.store(part_max_ptr + pid, slice_max)
-    tl.store(part_sum_ptr + pid, slice_sum)
+    if row < M:
+        # Read: this slice's max and sum of exp(x - max), published with a release.
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask,
+                    other=-float("inf")).to(tl.float32)
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
+        tl.store(part_max_ptr + ticket, slice_max)
+        tl.store(part_sum_ptr + ticket, tl.sum(tl.exp2((x - shift) * LOG2E), axis=0))
+        tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
 
-    # 2. Arrive. The atomic is acq_rel: it publishes this partial, and the last arrival
-    #    sees every peer's.
-    arrived = tl.atomic_add(arrivals_ptr + row, 1)
-    if arrived == SLICES - 1:
-        # 3. Last to arrive: log-sum-exp of the row from the partials, then the whole row.
+    done = row - LAG
+    if done >= 0:
+        # Write: row `done` once all of its slices have arrived (tickets below ours).
+        while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
+            pass
         k = tl.arange(0, SLICES_POW2)
-        first = row * SLICES
-        maxes = tl.load(part_max_ptr + first + k, mask=k < SLICES, other=-float("inf"),
+        maxes = tl.load(part_max_ptr + done * SLICES + k, mask=k < SLICES, other=-float("inf"),
                         cache_modifier=".cg")
-        sums = tl.load(part_sum_ptr + first + k, mask=k < SLICES, other=0.0, cache_modifier=".cg")
+        sums = tl.load(part_sum_ptr + done * SLICES + k, mask=k < SLICES, other=0.0, cache_modifier=".cg")
         row_max = tl.max(maxes, axis=0)
-        total = tl.sum(sums * tl.exp2((maxes - row_max) * 1.4426950408889634), axis=0)
-        # y = x - max - log(total) or its exp; x - max first, as it is exact
-        log2_total = tl.log2(total)
-        for start in range(0, N, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            xc = tl.load(x_row + c, mask=c < N, other=0.0).to(tl.float32) - row_max
-            if LOG:
-                y = xc - log2_total * 0.6931471805599453
-            else:
-                y = tl.exp2(xc * 1.4426950408889634 - log2_total)
-            tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=c < N)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        # y = (x - max) - log(total), or its exp; x - max first, as it is exact
+        x = tl.load(x_ptr + done.to(tl.int64) * x_row_stride + cols, mask=mask,
+                    other=0.0).to(tl.float32) - row_max
+        if LOG:
+            y = x - log2_total * LN2
+        else:
+            y = tl.exp2(x * LOG2E - log2_total)
+        tl.store(y_ptr + done.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -107,7 +115,7 @@ def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stri
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if LOG:
-        dx = dy - tl.exp2(y * 1.4426950408889634) * tl.sum(dy, axis=1)[:, None]
+        dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
     else:
         dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
     tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
@@ -115,39 +123,39 @@ def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stri
 
 
 @triton.jit
-def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, part_ptr, arrivals_ptr,
-                           N, y_row_stride, dy_row_stride, dx_row_stride, SLICES,
+def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, part_ptr, counters_ptr,
+                           M, N, y_row_stride, dy_row_stride, dx_row_stride, SLICES, LAG,
                            LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
-    # Same plan as the forward split kernel, with one partial sum per slice.
-    pid = tl.program_id(0)
-    row = pid // SLICES
-    y_row = y_ptr + row.to(tl.int64) * y_row_stride
-    dy_row = dy_ptr + row.to(tl.int64) * dy_row_stride
-    dx_row = dx_ptr + row.to(tl.int64) * dx_row_stride
+    # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
+    ticket = tl.atomic_add(counters_ptr, 1)
+    row = ticket // SLICES
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
 
-    cols = (pid % SLICES) * BLOCK + tl.arange(0, BLOCK)
-    dy = tl.load(dy_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-    if LOG:
-        part = tl.sum(dy, axis=0)
-    else:
-        y = tl.load(y_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        part = tl.sum(y * dy, axis=0)
-    tl.store(part_ptr + pid, part)
+    if row < M:
+        dy = tl.load(dy_ptr + row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            part = tl.sum(dy, axis=0)
+        else:
+            y = tl.load(y_ptr + row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            part = tl.sum(y * dy, axis=0)
+        tl.store(part_ptr + ticket, part)
+        tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
 
-    arrived = tl.atomic_add(arrivals_ptr + row, 1)
-    if arrived == SLICES - 1:
+    done = row - LAG
+    if done >= 0:
+        while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
+            pass
         k = tl.arange(0, SLICES_POW2)
-        total = tl.sum(tl.load(part_ptr + row * SLICES + k, mask=k < SLICES, other=0.0,
+        total = tl.sum(tl.load(part_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
                                cache_modifier=".cg"), axis=0)
-        for start in range(0, N, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            yc = tl.load(y_row + c, mask=c < N, other=0.0).to(tl.float32)
-            dyc = tl.load(dy_row + c, mask=c < N, other=0.0).to(tl.float32)
-            if LOG:
-                dx = dyc - tl.exp2(yc * 1.4426950408889634) * total
-            else:
-                dx = yc * (dyc - total)
-            tl.store(dx_row + c, dx.to(dx_ptr.dtype.element_ty), mask=c < N)
+        y = tl.load(y_ptr + done.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + done.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (dy - total)
+        tl.store(dx_ptr + done.to(tl.int64) * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -160,6 +168,7 @@ ROWS_WARPS = [(1024, 4), (8192, 8), (16384, 16), (float("inf"), 32)]
 ROWS_TILE = 4096  # at least this many elements per program, so short rows come in tiles
 SPLIT_BLOCK = 8192
 SPLIT_WARPS = 8
+SPLIT_LAG_TICKETS = 1024  # at least the programs in flight; in whole rows
 
 
 def _rows_config(N):
@@ -170,7 +179,7 @@ def _rows_config(N):
 
 
 def _split_config(N):
-    return {"plan": "split", "BLOCK": SPLIT_BLOCK, "num_warps": SPLIT_WARPS}
+    return {"plan": "split", "BLOCK": SPLIT_BLOCK, "num_warps": SPLIT_WARPS, "LAG_TICKETS": SPLIT_LAG_TICKETS}
 
 
 def forward_config(N):
@@ -181,9 +190,11 @@ def backward_config(N):
     return _rows_config(N) if N <= BACKWARD_ROWS_MAX_N else _split_config(N)
 
 
-def _arrivals_and_slices(M, N, block, device):
-    slices = triton.cdiv(N, block)
-    return torch.zeros(M, dtype=torch.int32, device=device), slices
+def _split_plan(M, N, cfg, device):
+    """Slices per row, the lag in rows, and zeroed counters: [next ticket, arrivals per row]."""
+    slices = triton.cdiv(N, cfg["BLOCK"])
+    lag = min(M, triton.cdiv(cfg["LAG_TICKETS"], slices))
+    return slices, lag, torch.zeros(1 + M, dtype=torch.int32, device=device)
 
 
 def launch_forward(x, y, log, config=None):
@@ -196,11 +207,11 @@ def launch_forward(x, y, log, config=None):
                                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                    num_warps=cfg["num_warps"])
     else:
-        arrivals, slices = _arrivals_and_slices(M, N, cfg["BLOCK"], x.device)
+        slices, lag, counters = _split_plan(M, N, cfg, x.device)
         part_max = torch.empty(M * slices, dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
-        _forward_split_kernel[(M * slices,)](
-            x, y, part_max, part_sum, arrivals, N, x.stride(0), y.stride(0), slices, LOG=log,
+        _forward_split_kernel[((M + lag) * slices,)](
+            x, y, part_max, part_sum, counters, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
@@ -214,10 +225,10 @@ def launch_backward(y, dy, dx, log, config=None):
                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                     num_warps=cfg["num_warps"])
     else:
-        arrivals, slices = _arrivals_and_slices(M, N, cfg["BLOCK"], y.device)
+        slices, lag, counters = _split_plan(M, N, cfg, y.device)
         part = torch.empty(M * slices, dtype=torch.float32, device=y.device)
-        _backward_split_kernel[(M * slices,)](
-            y, dy, dx, part, arrivals, N, y.stride(0), dy.stride(0), dx.stride(0), slices, LOG=log,
+        _backward_split_kernel[((M + lag) * slices,)](
+            y, dy, dx, part, counters, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 

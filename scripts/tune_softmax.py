@@ -38,10 +38,11 @@ def configs(N):
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
     if N >= 16384:
-        for block in (2048, 4096, 8192, 16384):
+        for block in (4096, 8192, 16384):
             for warps in (4, 8, 16):
-                if 8 <= block // (32 * warps) <= 128:
-                    out.append({"plan": "split", "BLOCK": block, "num_warps": warps})
+                for lag in (256, 1024, 4096):
+                    if 8 <= block // (32 * warps) <= 128:
+                        out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_TICKETS": lag})
     return out
 
 

@@ -49,7 +49,8 @@ def test_compile_fullgraph(device):
     loss = compiled(x, w)
     (grad,) = torch.autograd.grad(loss, w)
     (grad_eager,) = torch.autograd.grad(step(x, w), w)
-    assert torch.equal(grad, grad_eager)  # compiling changes nothing: the same kernels ran
+    # the same kernels ran; inductor may round the bf16 product x * w differently
+    assert torch.allclose(grad.float(), grad_eager.float(), rtol=2e-2, atol=1e-3)
 
     def step_torch(x, w):  # the same step in plain torch
         h = torch.softmax(x * w, dim=-1)

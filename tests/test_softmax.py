@@ -42,14 +42,17 @@ def test_rows_of_every_length(op, dtype, N, device):
     check_op(op, x)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("lag_tickets", [1, 7, 10**6])
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (2, 1000), (9, 130)])
-def test_split_plan_with_small_slices(op, M, N, device):
-    """The split plan (slices, partials, last arrival writes the row) at a slice size small
-    enough that tiny rows cut into many slices; some slices and one row all -inf."""
+def test_split_plan_with_small_slices(M, N, lag_tickets, device):
+    """The split plan (slices, partials, writes `lag` rows behind the reads) at a slice size
+    small enough that tiny rows cut into many slices; lags from one row to all rows; some
+    slices and one row all -inf."""
     x = torch.randn(M, N, device=device) * 4
     x[0, : N // 2] = -float("inf")  # leading slices of row 0 hold nothing but -inf
-    config = {"plan": "split", "BLOCK": 64, "num_warps": 4}
+    if M > 3:
+        x[3] = -float("inf")
+    config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_TICKETS": lag_tickets}
     for log in (False, True):
         y = torch.empty_like(x)
         softmax_module.launch_forward(x, y, log, config)
