@@ -1,6 +1,8 @@
 """Helpers shared by every op: where a tensor runs, which dtypes the kernels take,
 and how a tensor is seen as a matrix of rows for a row-wise kernel."""
 
+import functools
+
 import torch
 import triton
 
@@ -16,6 +18,19 @@ def runs_kernels(t: torch.Tensor) -> bool:
     """CUDA tensors run the compiled kernels; CPU tensors run them in the Triton
     interpreter when TRITON_INTERPRET=1 was set before import, else the torch reference."""
     return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+@functools.cache
+def _multiprocessors(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def program_slots(device: torch.device, programs_per_sm: int) -> int:
+    """Grid size of a persistent kernel: programs_per_sm on each multiprocessor. The
+    interpreter runs programs one after another, so a few do."""
+    if device.type != "cuda":
+        return programs_per_sm
+    return programs_per_sm * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def canonical_dim(dim: int, ndim: int) -> int:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, as_rows, canonical_dim, empty_like_rows, runs_kernels
+from ._launch import KERNEL_DTYPES, as_rows, canonical_dim, empty_like_rows, program_slots, runs_kernels
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -64,40 +64,47 @@ def _forward_split_kernel(x_ptr, y_ptr, part_max_ptr, part_sum_ptr, counters_ptr
                           M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # counters[0]: the next ticket; counters[1 + r]: slices of row r that have arrived.
+    # Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG before.
+    end = (M + LAG) * SLICES
     ticket = tl.atomic_add(counters_ptr, 1)
-    row = ticket // SLICES
-    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
+    while ticket < end:
+        row = ticket // SLICES
+        done = row - LAG
+        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        # Both loads go out at once: the new slice from HBM, the lagged one from L2.
+        x_new = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (row < M),
+                        other=-float("inf")).to(tl.float32)
+        x_old = tl.load(x_ptr + done.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (done >= 0),
+                        other=0.0).to(tl.float32)
+        next_ticket = tl.atomic_add(counters_ptr, 1)
 
-    if row < M:
-        # Read: this slice's max and sum of exp(x - max), published with a release.
-        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask,
-                    other=-float("inf")).to(tl.float32)
-        slice_max = tl.max(x, axis=0)
-        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
-        tl.store(part_max_ptr + ticket, slice_max)
-        tl.store(part_sum_ptr + ticket, tl.sum(tl.exp2((x - shift) * LOG2E), axis=0))
-        tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
+        if row < M:
+            # Read: this slice's max and sum of exp(x - max), published with a release.
+            slice_max = tl.max(x_new, axis=0)
+            shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
+            tl.store(part_max_ptr + ticket, slice_max)
+            tl.store(part_sum_ptr + ticket, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
+            tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
 
-    done = row - LAG
-    if done >= 0:
-        # Write: row `done` once all of its slices have arrived (tickets below ours).
-        while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
-            pass
-        k = tl.arange(0, SLICES_POW2)
-        maxes = tl.load(part_max_ptr + done * SLICES + k, mask=k < SLICES, other=-float("inf"),
-                        cache_modifier=".cg")
-        sums = tl.load(part_sum_ptr + done * SLICES + k, mask=k < SLICES, other=0.0, cache_modifier=".cg")
-        row_max = tl.max(maxes, axis=0)
-        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
-        # y = (x - max) - log(total), or its exp; x - max first, as it is exact
-        x = tl.load(x_ptr + done.to(tl.int64) * x_row_stride + cols, mask=mask,
-                    other=0.0).to(tl.float32) - row_max
-        if LOG:
-            y = x - log2_total * LN2
-        else:
-            y = tl.exp2(x * LOG2E - log2_total)
-        tl.store(y_ptr + done.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if done >= 0:
+            # Write: row `done` once all of its slices have arrived (tickets below ours).
+            while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
+                pass
+            k = tl.arange(0, SLICES_POW2)
+            maxes = tl.load(part_max_ptr + done * SLICES + k, mask=k < SLICES, other=-float("inf"),
+                            cache_modifier=".cg")
+            sums = tl.load(part_sum_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
+                           cache_modifier=".cg")
+            row_max = tl.max(maxes, axis=0)
+            log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+            # y = (x - max) - log(total), or its exp; x - max first, as it is exact
+            if LOG:
+                y = (x_old - row_max) - log2_total * LN2
+            else:
+                y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
+            tl.store(y_ptr + done.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                     mask=cols < N)
+        ticket = next_ticket
 
 
 # ---------------------------------------------------------------------------- backward
@@ -127,35 +134,41 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, part_ptr, counters_ptr,
                            M, N, y_row_stride, dy_row_stride, dx_row_stride, SLICES, LAG,
                            LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
+    end = (M + LAG) * SLICES
     ticket = tl.atomic_add(counters_ptr, 1)
-    row = ticket // SLICES
-    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-
-    if row < M:
-        dy = tl.load(dy_ptr + row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    while ticket < end:
+        row = ticket // SLICES
+        done = row - LAG
+        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        new = (cols < N) & (row < M)
+        old = (cols < N) & (done >= 0)
+        dy_new = tl.load(dy_ptr + row.to(tl.int64) * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+        y_old = tl.load(y_ptr + done.to(tl.int64) * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_old = tl.load(dy_ptr + done.to(tl.int64) * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
         if LOG:
-            part = tl.sum(dy, axis=0)
+            part = tl.sum(dy_new, axis=0)
         else:
-            y = tl.load(y_ptr + row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            part = tl.sum(y * dy, axis=0)
-        tl.store(part_ptr + ticket, part)
-        tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
+            y_new = tl.load(y_ptr + row.to(tl.int64) * y_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+            part = tl.sum(y_new * dy_new, axis=0)
+        next_ticket = tl.atomic_add(counters_ptr, 1)
 
-    done = row - LAG
-    if done >= 0:
-        while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
-            pass
-        k = tl.arange(0, SLICES_POW2)
-        total = tl.sum(tl.load(part_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
-                               cache_modifier=".cg"), axis=0)
-        y = tl.load(y_ptr + done.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + done.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            dx = dy - tl.exp2(y * LOG2E) * total
-        else:
-            dx = y * (dy - total)
-        tl.store(dx_ptr + done.to(tl.int64) * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if row < M:
+            tl.store(part_ptr + ticket, part)
+            tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
+
+        if done >= 0:
+            while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
+                pass
+            k = tl.arange(0, SLICES_POW2)
+            total = tl.sum(tl.load(part_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
+                                   cache_modifier=".cg"), axis=0)
+            if LOG:
+                dx = dy_old - tl.exp2(y_old * LOG2E) * total
+            else:
+                dx = y_old * (dy_old - total)
+            tl.store(dx_ptr + done.to(tl.int64) * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty),
+                     mask=cols < N)
+        ticket = next_ticket
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -169,6 +182,7 @@ ROWS_TILE = 4096  # at least this many elements per program, so short rows come 
 SPLIT_BLOCK = 8192
 SPLIT_WARPS = 8
 SPLIT_LAG_TICKETS = 1024  # at least the programs in flight; in whole rows
+SPLIT_PROGRAMS_PER_SM = 4  # persistent grid: bounds the programs in flight
 
 
 def _rows_config(N):
@@ -179,7 +193,8 @@ def _rows_config(N):
 
 
 def _split_config(N):
-    return {"plan": "split", "BLOCK": SPLIT_BLOCK, "num_warps": SPLIT_WARPS, "LAG_TICKETS": SPLIT_LAG_TICKETS}
+    return {"plan": "split", "BLOCK": SPLIT_BLOCK, "num_warps": SPLIT_WARPS, "LAG_TICKETS": SPLIT_LAG_TICKETS,
+            "PROGRAMS_PER_SM": SPLIT_PROGRAMS_PER_SM}
 
 
 def forward_config(N):
@@ -191,10 +206,12 @@ def backward_config(N):
 
 
 def _split_plan(M, N, cfg, device):
-    """Slices per row, the lag in rows, and zeroed counters: [next ticket, arrivals per row]."""
+    """Slices per row, the lag in rows (at least one: a row is never written by its own
+    readers), the persistent grid, and zeroed counters: [next ticket, arrivals per row]."""
     slices = triton.cdiv(N, cfg["BLOCK"])
-    lag = min(M, triton.cdiv(cfg["LAG_TICKETS"], slices))
-    return slices, lag, torch.zeros(1 + M, dtype=torch.int32, device=device)
+    lag = max(1, min(M, cfg["LAG_TICKETS"] // slices))
+    grid = min((M + lag) * slices, program_slots(device, cfg["PROGRAMS_PER_SM"]))
+    return slices, lag, (grid,), torch.zeros(1 + M, dtype=torch.int32, device=device)
 
 
 def launch_forward(x, y, log, config=None):
@@ -207,10 +224,10 @@ def launch_forward(x, y, log, config=None):
                                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                    num_warps=cfg["num_warps"])
     else:
-        slices, lag, counters = _split_plan(M, N, cfg, x.device)
+        slices, lag, grid, counters = _split_plan(M, N, cfg, x.device)
         part_max = torch.empty(M * slices, dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
-        _forward_split_kernel[((M + lag) * slices,)](
+        _forward_split_kernel[grid](
             x, y, part_max, part_sum, counters, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
@@ -225,9 +242,9 @@ def launch_backward(y, dy, dx, log, config=None):
                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                     num_warps=cfg["num_warps"])
     else:
-        slices, lag, counters = _split_plan(M, N, cfg, y.device)
+        slices, lag, grid, counters = _split_plan(M, N, cfg, y.device)
         part = torch.empty(M * slices, dtype=torch.float32, device=y.device)
-        _backward_split_kernel[((M + lag) * slices,)](
+        _backward_split_kernel[grid](
             y, dy, dx, part, counters, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 

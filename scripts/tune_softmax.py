@@ -40,9 +40,12 @@ def configs(N):
     if N >= 16384:
         for block in (4096, 8192, 16384):
             for warps in (4, 8, 16):
-                for lag in (256, 1024, 4096):
-                    if 8 <= block // (32 * warps) <= 128:
-                        out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_TICKETS": lag})
+                if not 16 <= block // (32 * warps) <= 64:
+                    continue
+                for per_sm in (1, 2, 4):
+                    for lag in (264, 528, 1056):
+                        out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_TICKETS": lag,
+                                    "PROGRAMS_PER_SM": per_sm})
     return out
 
 

@@ -52,7 +52,7 @@ def test_split_plan_with_small_slices(M, N, lag_tickets, device):
     x[0, : N // 2] = -float("inf")  # leading slices of row 0 hold nothing but -inf
     if M > 3:
         x[3] = -float("inf")
-    config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_TICKETS": lag_tickets}
+    config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_TICKETS": lag_tickets, "PROGRAMS_PER_SM": 3}
     for log in (False, True):
         y = torch.empty_like(x)
         softmax_module.launch_forward(x, y, log, config)
