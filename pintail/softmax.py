@@ -60,50 +60,63 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
 
 
 @triton.jit
-def _forward_split_kernel(x_ptr, y_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
-                          M, N, x_row_stride, y_row_stride, SLICES, LAG,
+def _publish(slots_ptr, ticket, hi, lo):
+    """Publish two float32 as one 64-bit word: the word is its own arrival flag (never 0
+    once written: see the callers), so no fence orders it against anything else."""
+    word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
+        (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    tl.atomic_xchg(slots_ptr + 1 + ticket, word, sem="relaxed")
+
+
+@triton.jit
+def _wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
+    """The published words of all slices of `row`, once every one is there, unpacked."""
+    k = tl.arange(0, SLICES_POW2)
+    ptrs = slots_ptr + 1 + row * SLICES + k
+    words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
+    while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
+        words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
+    hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = words.to(tl.int32).to(tl.float32, bitcast=True)
+    return hi, lo, k < SLICES
+
+
+@triton.jit
+def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
-    # counters[0]: the next ticket; counters[1 + r]: slices of row r that have arrived.
+    # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
     # Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG before.
     end = (M + LAG) * SLICES
-    ticket = tl.atomic_add(counters_ptr, 1)
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
         row = ticket // SLICES
         done = row - LAG
         cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
-        x_new = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (row < M),
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
                         other=-float("inf")).to(tl.float32)
-        x_old = tl.load(x_ptr + done.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (done >= 0),
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0),
                         other=0.0).to(tl.float32)
-        next_ticket = tl.atomic_add(counters_ptr, 1)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
         if row < M:
-            # Read: this slice's max and sum of exp(x - max), published with a release.
+            # Read: this slice's max and sum of exp(x - max). The word is never 0: a slice
+            # holds at least one element, so sum >= 1, or max = -inf when all are -inf.
             slice_max = tl.max(x_new, axis=0)
             shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
-            tl.store(part_max_ptr + ticket, slice_max)
-            tl.store(part_sum_ptr + ticket, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
-            tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
+            _publish(slots_ptr, ticket, slice_max, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
 
         if done >= 0:
-            # Write: row `done` once all of its slices have arrived (tickets below ours).
-            while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
-                pass
-            k = tl.arange(0, SLICES_POW2)
-            maxes = tl.load(part_max_ptr + done * SLICES + k, mask=k < SLICES, other=-float("inf"),
-                            cache_modifier=".cg")
-            sums = tl.load(part_sum_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
-                           cache_modifier=".cg")
-            row_max = tl.max(maxes, axis=0)
-            log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+            # Write: row `done`, once all of its slices are published (tickets below ours).
+            maxes, sums, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
+            log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             # y = (x - max) - log(total), or its exp; x - max first, as it is exact
             if LOG:
                 y = (x_old - row_max) - log2_total * LN2
             else:
                 y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
-            tl.store(y_ptr + done.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
-                     mask=cols < N)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
 
@@ -130,44 +143,38 @@ def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stri
 
 
 @triton.jit
-def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, part_ptr, counters_ptr,
-                           M, N, y_row_stride, dy_row_stride, dx_row_stride, SLICES, LAG,
-                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                           SLICES, LAG, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
     end = (M + LAG) * SLICES
-    ticket = tl.atomic_add(counters_ptr, 1)
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
         row = ticket // SLICES
         done = row - LAG
         cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
-        dy_new = tl.load(dy_ptr + row.to(tl.int64) * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
-        y_old = tl.load(y_ptr + done.to(tl.int64) * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
-        dy_old = tl.load(dy_ptr + done.to(tl.int64) * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
         if LOG:
             part = tl.sum(dy_new, axis=0)
         else:
-            y_new = tl.load(y_ptr + row.to(tl.int64) * y_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+            y_new = tl.load(y_ptr + row * y_row_stride + cols, mask=new, other=0.0).to(tl.float32)
             part = tl.sum(y_new * dy_new, axis=0)
-        next_ticket = tl.atomic_add(counters_ptr, 1)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
         if row < M:
-            tl.store(part_ptr + ticket, part)
-            tl.atomic_add(counters_ptr + 1 + row, 1, sem="release")
+            _publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
 
         if done >= 0:
-            while tl.atomic_add(counters_ptr + 1 + done, 0, sem="acquire") < SLICES:
-                pass
-            k = tl.arange(0, SLICES_POW2)
-            total = tl.sum(tl.load(part_ptr + done * SLICES + k, mask=k < SLICES, other=0.0,
-                                   cache_modifier=".cg"), axis=0)
+            _, parts, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
             if LOG:
                 dx = dy_old - tl.exp2(y_old * LOG2E) * total
             else:
                 dx = y_old * (dy_old - total)
-            tl.store(dx_ptr + done.to(tl.int64) * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty),
-                     mask=cols < N)
+            tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
 
@@ -207,11 +214,11 @@ def backward_config(N):
 
 def _split_plan(M, N, cfg, device):
     """Slices per row, the lag in rows (at least one: a row is never written by its own
-    readers), the persistent grid, and zeroed counters: [next ticket, arrivals per row]."""
+    readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
     slices = triton.cdiv(N, cfg["BLOCK"])
     lag = max(1, min(M, cfg["LAG_TICKETS"] // slices))
     grid = min((M + lag) * slices, program_slots(device, cfg["PROGRAMS_PER_SM"]))
-    return slices, lag, (grid,), torch.zeros(1 + M, dtype=torch.int32, device=device)
+    return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)
 
 
 def launch_forward(x, y, log, config=None):
@@ -224,11 +231,9 @@ def launch_forward(x, y, log, config=None):
                                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                    num_warps=cfg["num_warps"])
     else:
-        slices, lag, grid, counters = _split_plan(M, N, cfg, x.device)
-        part_max = torch.empty(M * slices, dtype=torch.float32, device=x.device)
-        part_sum = torch.empty_like(part_max)
+        slices, lag, grid, slots = _split_plan(M, N, cfg, x.device)
         _forward_split_kernel[grid](
-            x, y, part_max, part_sum, counters, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
+            x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
@@ -242,10 +247,9 @@ def launch_backward(y, dy, dx, log, config=None):
                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                     num_warps=cfg["num_warps"])
     else:
-        slices, lag, grid, counters = _split_plan(M, N, cfg, y.device)
-        part = torch.empty(M * slices, dtype=torch.float32, device=y.device)
+        slices, lag, grid, slots = _split_plan(M, N, cfg, y.device)
         _backward_split_kernel[grid](
-            y, dy, dx, part, counters, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
+            y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
