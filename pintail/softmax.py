@@ -69,16 +69,21 @@ def _publish(slots_ptr, ticket, hi, lo):
 
 
 @triton.jit
-def _wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
-    """The published words of all slices of `row`, once every one is there, unpacked."""
+def _row_words(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
+    """The published words of all slices of `row` (row < 0: none, all 1). Issued with the
+    slice loads, a first look is usually also the last: the lag is longer than a round."""
     k = tl.arange(0, SLICES_POW2)
-    ptrs = slots_ptr + 1 + row * SLICES + k
-    words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
+    return tl.load(slots_ptr + 1 + row * SLICES + k, mask=(k < SLICES) & (row >= 0), other=1, volatile=True)
+
+
+@triton.jit
+def _wait_for_row(words, slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
+    """Look again until every slice of `row` is published; then unpack the words."""
     while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
-        words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
+        words = _row_words(slots_ptr, row, SLICES, SLICES_POW2)
     hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     lo = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo, k < SLICES
+    return hi, lo, tl.arange(0, SLICES_POW2) < SLICES
 
 
 @triton.jit
@@ -95,8 +100,8 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
         x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
                         other=-float("inf")).to(tl.float32)
-        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0),
-                        other=0.0).to(tl.float32)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0), other=0.0)
+        words = _row_words(slots_ptr, done, SLICES, SLICES_POW2)
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
         if row < M:
@@ -108,10 +113,11 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
         if done >= 0:
             # Write: row `done`, once all of its slices are published (tickets below ours).
-            maxes, sums, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            maxes, sums, valid = _wait_for_row(words, slots_ptr, done, SLICES, SLICES_POW2)
             row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
             log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             # y = (x - max) - log(total), or its exp; x - max first, as it is exact
+            x_old = x_old.to(tl.float32)  # converted only now: fewer registers held meanwhile
             if LOG:
                 y = (x_old - row_max) - log2_total * LN2
             else:
@@ -155,8 +161,9 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
         dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
-        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
-        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0)
+        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0)
+        words = _row_words(slots_ptr, done, SLICES, SLICES_POW2)
         if LOG:
             part = tl.sum(dy_new, axis=0)
         else:
@@ -168,8 +175,9 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
             _publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
 
         if done >= 0:
-            _, parts, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            _, parts, valid = _wait_for_row(words, slots_ptr, done, SLICES, SLICES_POW2)
             total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
+            y_old, dy_old = y_old.to(tl.float32), dy_old.to(tl.float32)
             if LOG:
                 dx = dy_old - tl.exp2(y_old * LOG2E) * total
             else:

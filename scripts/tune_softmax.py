@@ -38,12 +38,10 @@ def configs(N):
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
     if N >= 16384:
-        for block in (4096, 8192, 16384):
+        for block in (4096, 8192):
             for warps in (4, 8):
-                if not 16 <= block // (32 * warps) <= 64:
-                    continue
-                for per_sm in (2, 4, 8):
-                    for lag in (528, 1056):
+                for per_sm in (4, 6):
+                    for lag in (264, 396, 528):
                         out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_TICKETS": lag,
                                     "PROGRAMS_PER_SM": per_sm})
     return out
