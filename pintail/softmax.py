@@ -117,11 +117,11 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
             row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
             log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             # y = (x - max) - log(total), or its exp; x - max first, as it is exact
-            x_old = x_old.to(tl.float32)  # converted only now: fewer registers held meanwhile
+            shifted = x_old.to(tl.float32) - row_max  # converted only now: fewer registers held
             if LOG:
-                y = (x_old - row_max) - log2_total * LN2
+                y = shifted - log2_total * LN2
             else:
-                y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
+                y = tl.exp2(shifted * LOG2E - log2_total)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
@@ -177,11 +177,11 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         if done >= 0:
             _, parts, valid = _wait_for_row(words, slots_ptr, done, SLICES, SLICES_POW2)
             total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
-            y_old, dy_old = y_old.to(tl.float32), dy_old.to(tl.float32)
+            y32, dy32 = y_old.to(tl.float32), dy_old.to(tl.float32)  # converted only now
             if LOG:
-                dx = dy_old - tl.exp2(y_old * LOG2E) * total
+                dx = dy32 - tl.exp2(y32 * LOG2E) * total
             else:
-                dx = y_old * (dy_old - total)
+                dx = y32 * (dy32 - total)
             tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
