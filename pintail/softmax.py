@@ -69,21 +69,16 @@ def _publish(slots_ptr, ticket, hi, lo):
 
 
 @triton.jit
-def _row_words(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
-    """The published words of all slices of `row` (row < 0: none, all 1). Issued with the
-    slice loads, a first look is usually also the last: the lag is longer than a round."""
+def _wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
+    """The published words of all slices of `row`, once every one is there, unpacked."""
     k = tl.arange(0, SLICES_POW2)
-    return tl.load(slots_ptr + 1 + row * SLICES + k, mask=(k < SLICES) & (row >= 0), other=1, volatile=True)
-
-
-@triton.jit
-def _wait_for_row(words, slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
-    """Look again until every slice of `row` is published; then unpack the words."""
+    ptrs = slots_ptr + 1 + row * SLICES + k
+    words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
     while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
-        words = _row_words(slots_ptr, row, SLICES, SLICES_POW2)
+        words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
     hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     lo = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo, tl.arange(0, SLICES_POW2) < SLICES
+    return hi, lo, k < SLICES
 
 
 @triton.jit
@@ -100,8 +95,8 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
         x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
                         other=-float("inf")).to(tl.float32)
-        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0), other=0.0)
-        words = _row_words(slots_ptr, done, SLICES, SLICES_POW2)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0),
+                        other=0.0).to(tl.float32)
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
         if row < M:
@@ -113,15 +108,14 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
         if done >= 0:
             # Write: row `done`, once all of its slices are published (tickets below ours).
-            maxes, sums, valid = _wait_for_row(words, slots_ptr, done, SLICES, SLICES_POW2)
+            maxes, sums, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
             log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             # y = (x - max) - log(total), or its exp; x - max first, as it is exact
-            shifted = x_old.to(tl.float32) - row_max  # converted only now: fewer registers held
             if LOG:
-                y = shifted - log2_total * LN2
+                y = (x_old - row_max) - log2_total * LN2
             else:
-                y = tl.exp2(shifted * LOG2E - log2_total)
+                y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
@@ -161,9 +155,8 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
         dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
-        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0)
-        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0)
-        words = _row_words(slots_ptr, done, SLICES, SLICES_POW2)
+        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
         if LOG:
             part = tl.sum(dy_new, axis=0)
         else:
@@ -175,57 +168,53 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
             _publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
 
         if done >= 0:
-            _, parts, valid = _wait_for_row(words, slots_ptr, done, SLICES, SLICES_POW2)
+            _, parts, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
-            y32, dy32 = y_old.to(tl.float32), dy_old.to(tl.float32)  # converted only now
             if LOG:
-                dx = dy32 - tl.exp2(y32 * LOG2E) * total
+                dx = dy_old - tl.exp2(y_old * LOG2E) * total
             else:
-                dx = y32 * (dy32 - total)
+                dx = y_old * (dy_old - total)
             tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
 
 # ------------------------------------------------------------------ launch heuristics
-# Measured on the H200, bf16 (docs/perf-notes.md). Rows up to ROWS_MAX_N stay on chip;
-# longer rows take the split plan.
-FORWARD_ROWS_MAX_N = 16384
-BACKWARD_ROWS_MAX_N = 16384
-# (tile elements up to, warps) for the rows plan
-ROWS_WARPS = [(1024, 4), (8192, 8), (16384, 16), (float("inf"), 32)]
-ROWS_TILE = 4096  # at least this many elements per program, so short rows come in tiles
-SPLIT_BLOCK = 8192
-SPLIT_WARPS = 8
-SPLIT_LAG_TICKETS = 1024  # at least the programs in flight; in whole rows
-SPLIT_PROGRAMS_PER_SM = 4  # persistent grid: bounds the programs in flight
+# Measured on the H200, bf16, M*N = 2^27 (docs/perf-notes.md, scripts/tune_softmax.py).
+# Rows plan: (row length up to, elements per program at least, warps). Past the last
+# entry a row does not fit on chip and takes the split plan.
+FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 8)]
+BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
+# Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
+# the persistent grid (one round: the writes trail the reads by as many tickets as there
+# are programs, so a row's readers have finished when its writers come, and the lagged
+# slices are still in L2; two rounds fell out of L2, half a round waited).
+FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
+BACKWARD_SPLIT = {"plan": "split", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
 
 
-def _rows_config(N):
-    block_n = triton.next_power_of_2(N)
-    block_m = max(1, ROWS_TILE // block_n)
-    warps = next(w for limit, w in ROWS_WARPS if block_m * block_n <= limit)
-    return {"plan": "rows", "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
-
-
-def _split_config(N):
-    return {"plan": "split", "BLOCK": SPLIT_BLOCK, "num_warps": SPLIT_WARPS, "LAG_TICKETS": SPLIT_LAG_TICKETS,
-            "PROGRAMS_PER_SM": SPLIT_PROGRAMS_PER_SM}
+def _config(N, rows_table, split):
+    for limit, tile, warps in rows_table:
+        if N <= limit:
+            block_n = triton.next_power_of_2(N)
+            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
+    return split
 
 
 def forward_config(N):
-    return _rows_config(N) if N <= FORWARD_ROWS_MAX_N else _split_config(N)
+    return _config(N, FORWARD_ROWS, FORWARD_SPLIT)
 
 
 def backward_config(N):
-    return _rows_config(N) if N <= BACKWARD_ROWS_MAX_N else _split_config(N)
+    return _config(N, BACKWARD_ROWS, BACKWARD_SPLIT)
 
 
 def _split_plan(M, N, cfg, device):
     """Slices per row, the lag in rows (at least one: a row is never written by its own
     readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
     slices = triton.cdiv(N, cfg["BLOCK"])
-    lag = max(1, min(M, cfg["LAG_TICKETS"] // slices))
-    grid = min((M + lag) * slices, program_slots(device, cfg["PROGRAMS_PER_SM"]))
+    programs = program_slots(device, cfg["PROGRAMS_PER_SM"])
+    lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
+    grid = min((M + lag) * slices, programs)
     return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)
 
 

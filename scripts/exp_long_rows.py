@@ -81,9 +81,7 @@ def main():
             rows.append((N, name, frac, err))
             print(f"N={N} {name}: {ms:.4f} ms {frac:.3f} of copy, max err {err:.2e}", flush=True)
 
-        for cfg in ({"plan": "split", "BLOCK": 8192, "num_warps": 8, "LAG_TICKETS": 528, "PROGRAMS_PER_SM": 4},
-                    {"plan": "split", "BLOCK": 8192, "num_warps": 4, "LAG_TICKETS": 1056, "PROGRAMS_PER_SM": 8},
-                    {"plan": "split", "BLOCK": 4096, "num_warps": 4, "LAG_TICKETS": 2112, "PROGRAMS_PER_SM": 16}):
+        for cfg in (sm.FORWARD_SPLIT, {**sm.FORWARD_SPLIT, "LAG_ROUNDS": 2}):
             record(f"split {cfg}", lambda: sm.launch_forward(x, y, False, cfg))
         for block in (8192, 16384):
             for warps in (8, 16, 32):

@@ -38,11 +38,10 @@ def configs(N):
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
     if N >= 16384:
-        # (BLOCK, warps, programs per SM): the per-SM counts that the registers allow
-        # (scripts/inspect_kernel.py prints them)
-        for block, warps, per_sm in ((8192, 4, 3), (4096, 4, 4), (4096, 4, 6), (4096, 8, 3), (8192, 8, 2)):
-            for lag in (264, 396, 528, 792):
-                out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_TICKETS": lag,
+        # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
+        for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
+            for rounds in (0.5, 1, 2):
+                out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_ROUNDS": rounds,
                             "PROGRAMS_PER_SM": per_sm})
     return out
 

@@ -8,7 +8,8 @@ from helpers import DTYPES, assert_matches
 
 softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
 OPS = {"softmax": (pintail.softmax, torch.softmax), "log_softmax": (pintail.log_softmax, torch.log_softmax)}
-PAST_ON_CHIP = max(softmax_module.FORWARD_ROWS_MAX_N, softmax_module.BACKWARD_ROWS_MAX_N) + 1
+FORWARD_PAST_ON_CHIP = softmax_module.FORWARD_ROWS[-1][0] + 1
+PAST_ON_CHIP = max(FORWARD_PAST_ON_CHIP, softmax_module.BACKWARD_ROWS[-1][0] + 1)
 
 
 def check_op(op, x, dim=-1, dtype=None, dy=None):
@@ -27,24 +28,34 @@ def check_op(op, x, dim=-1, dtype=None, dy=None):
     if dy is None:
         dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x_ours, dy)
-    (dx_torch,) = torch.autograd.grad(y_torch, x_torch, dy)
-    (dx_truth,) = torch.autograd.grad(y_truth, x_truth, dy.double())
     assert dx.dtype == x.dtype
-    assert_matches(dx, dx_truth, dx_torch)
+    # The backward kernel against its exact formula on the output it was given: in fp16 and
+    # bf16 the rounding of that output (the forward's, checked above) dominates the error.
+    y64, dy64 = y.detach().double(), dy.double()
+    if op == "softmax":
+        dx_exact = y64 * (dy64 - (y64 * dy64).sum(dim, keepdim=True))
+    else:
+        dx_exact = dy64 - y64.exp() * dy64.sum(dim, keepdim=True)
+    assert_matches(dx, dx_exact, dx_exact.to(x.dtype))
+    if x.dtype == torch.float32 and (dtype or x.dtype) == torch.float32:
+        # and end to end, where the output's rounding is small
+        (dx_torch,) = torch.autograd.grad(y_torch, x_torch, dy)
+        (dx_truth,) = torch.autograd.grad(y_truth, x_truth, dy64)
+        assert_matches(dx, dx_truth, dx_torch)
     return y
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [1, 7, 1000, 4097, PAST_ON_CHIP])
+@pytest.mark.parametrize("N", [1, 7, 1000, 4097, FORWARD_PAST_ON_CHIP, PAST_ON_CHIP])
 def test_rows_of_every_length(op, dtype, N, device):
     x = torch.randn(3, N, device=device, dtype=dtype) * 3
     check_op(op, x)
 
 
-@pytest.mark.parametrize("lag_tickets", [1, 7, 10**6])
+@pytest.mark.parametrize("lag_rounds", [1, 4, 10**6])
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (2, 1000), (9, 130)])
-def test_split_plan_with_small_slices(M, N, lag_tickets, device):
+def test_split_plan_with_small_slices(M, N, lag_rounds, device):
     """The split plan (slices, partials, writes `lag` rows behind the reads) at a slice size
     small enough that tiny rows cut into many slices; lags from one row to all rows; some
     slices and one row all -inf."""
@@ -52,7 +63,7 @@ def test_split_plan_with_small_slices(M, N, lag_tickets, device):
     x[0, : N // 2] = -float("inf")  # leading slices of row 0 hold nothing but -inf
     if M > 3:
         x[3] = -float("inf")
-    config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_TICKETS": lag_tickets, "PROGRAMS_PER_SM": 3}
+    config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_ROUNDS": lag_rounds, "PROGRAMS_PER_SM": 3}
     for log in (False, True):
         y = torch.empty_like(x)
         softmax_module.launch_forward(x, y, log, config)
