@@ -250,15 +250,14 @@ def launch_backward(y, dy, dx, log, config=None):
             BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
-# ------------------------------------------------------------------------ custom ops
+# --------------------------------------------------------------- tensor-level functions
 
 
 def _kernels_take(*dtypes):
     return all(d in KERNEL_DTYPES for d in dtypes)
 
 
-@torch.library.custom_op("pintail::softmax_forward", mutates_args=())
-def _softmax_forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
     if not (runs_kernels(x) and _kernels_take(x.dtype, out_dtype)):
         return reference.softmax_forward(x, dim, log, out_dtype)
     y = empty_like_rows(x, dim, out_dtype)
@@ -267,14 +266,7 @@ def _softmax_forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtyp
     return y
 
 
-@_softmax_forward.register_fake
-def _(x, dim, log, out_dtype):
-    return empty_like_rows(x, dim, out_dtype)
-
-
-@torch.library.custom_op("pintail::softmax_backward", mutates_args=())
-def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool,
-                      in_dtype: torch.dtype) -> torch.Tensor:
+def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, in_dtype: torch.dtype) -> torch.Tensor:
     if not (runs_kernels(y) and _kernels_take(y.dtype, in_dtype)):
         return reference.softmax_backward(y, dy, dim, log, in_dtype)
     dx = empty_like_rows(y, dim, in_dtype)
@@ -283,7 +275,37 @@ def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool,
     return dx
 
 
-@_softmax_backward.register_fake
+# ------------------------------------------------------------- autograd and torch.library
+# Eager calls take a plain autograd.Function: torch.library's custom-op dispatch costs about
+# 70 us of host time a call (scripts/exp_overhead.py on the H200 machine), more than the
+# kernel itself at some sizes. Under torch.compile the same functions are reached as custom
+# ops with fake implementations: one graph node each, no graph break.
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, log, out_dtype):
+        y = _forward(x, dim, log, out_dtype)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log, ctx.in_dtype = dim, log, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return _backward(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None
+
+
+_forward_op = torch.library.custom_op("pintail::softmax_forward", _forward, mutates_args=())
+_backward_op = torch.library.custom_op("pintail::softmax_backward", _backward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, dim, log, out_dtype):
+    return empty_like_rows(x, dim, out_dtype)
+
+
+@_backward_op.register_fake
 def _(y, dy, dim, log, in_dtype):
     return empty_like_rows(y, dim, in_dtype)
 
@@ -294,12 +316,18 @@ def _setup_context(ctx, inputs, output):
     ctx.dim, ctx.log, ctx.in_dtype = dim, log, x.dtype
 
 
-def _backward(ctx, dy):
+def _backward_of_op(ctx, dy):
     (y,) = ctx.saved_tensors
-    return _softmax_backward(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None
+    return _backward_op(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None
 
 
-_softmax_forward.register_autograd(_backward, setup_context=_setup_context)
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+def _softmax(x, dim, log, out_dtype):
+    if torch.compiler.is_compiling():
+        return _forward_op(x, dim, log, out_dtype)
+    return _Softmax.apply(x, dim, log, out_dtype)
 
 
 # ------------------------------------------------------------------------ public API
@@ -327,10 +355,10 @@ def _checked(name, input, dim, dtype):
 def softmax(input, dim=-1, dtype=None):
     """torch.nn.functional.softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
     input, dim, out_dtype = _checked("softmax", input, dim, dtype)
-    return _softmax_forward(input, dim, False, out_dtype)
+    return _softmax(input, dim, False, out_dtype)
 
 
 def log_softmax(input, dim=-1, dtype=None):
     """torch.nn.functional.log_softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
     input, dim, out_dtype = _checked("log_softmax", input, dim, dtype)
-    return _softmax_forward(input, dim, True, out_dtype)
+    return _softmax(input, dim, True, out_dtype)
