@@ -47,6 +47,8 @@ def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
     No copy when the layout allows one row stride (e.g. a contiguous tensor, or a slice
     of rows); a copy only when the elements of a row are not adjacent in memory."""
+    if dim == t.dim() - 1 and t.is_contiguous():  # the common case, without the general steps
+        return t.view(-1, t.shape[-1])
     moved = t.movedim(dim, -1)
     if moved.dim() == 0:
         moved = moved.reshape(1)
@@ -59,5 +61,7 @@ def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tens
     """An output of t's shape whose rows along `dim` are contiguous: the layout a row-wise
     kernel writes. The fake (meta) implementations call this too, so that compiled graphs
     see the strides the real op returns."""
+    if dim == t.dim() - 1:
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
     moved_shape = t.movedim(dim, -1).shape
     return torch.empty(moved_shape, dtype=dtype, device=t.device).movedim(-1, dim)
