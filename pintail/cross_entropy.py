@@ -1,0 +1,493 @@
+"""cross_entropy: Triton kernels, autograd, torch.library registration.
+
+The loss works on rows: logits x[M, V] (classes along a row) and a target per row. The
+kernels produce per-row results (the loss of each row and its log-sum-exp, lse); the
+reduction (none, sum, mean over kept rows or their weights) is a few torch ops on those M
+numbers, so autograd hands the backward kernel the gradient of each row's loss.
+
+Class-index targets, per row with target t, class weights w (all 1 without weights),
+W = sum(w), smoothing e, V classes, logp = x - lse:
+    loss = (1 - e) * w_t * (lse - x_t) + (e / V) * (W * lse - sum_j w_j x_j) + z * lse^2
+    dloss/dx_k = p_k * ((1 - e) w_t + (e / V) W + 2 z lse) - (1 - e) w_t [k == t] - (e / V) w_k
+Probability targets y, smoothed y' = (1 - e) y + e / V, B = sum_j w_j y'_j:
+    loss = B * lse - sum_j w_j y'_j x_j + z * lse^2
+    dloss/dx_k = p_k * (B + 2 z lse) - w_k y'_k
+Softcap c: every logit is first c * tanh(x / c); the gradient gains a factor 1 - tanh^2.
+
+Bytes: the forward reads the logits once (one program per row, an online log-sum-exp with
+one exp per element: a scalar max per chunk, exp2 of pre-shifted logits); the backward reads
+them again and writes the gradient (a program per row and chunk). No (M, V) temporaries.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._launch import KERNEL_DTYPES, runs_kernels
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+@triton.jit
+def _softcapped(x, softcap):
+    """softcap * tanh(x / softcap), with tanh from exp2 (no libdevice in the interpreter)."""
+    return softcap * (1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E / softcap)) + 1.0))
+
+
+@triton.jit
+def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
+    """W = sum of the class weights: V without weights, else summed by torch on the device
+    (passed by pointer: reading it on the host would synchronise)."""
+    if HAS_WEIGHT:
+        return tl.load(weight_total_ptr)
+    return V * 1.0
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, lse_ptr, V, x_row_stride,
+                    ignore_index, smoothing, z_scale, softcap,
+                    HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # One row: its log-sum-exp in one pass (and, for smoothing, sum_j w_j x_j), then the loss.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    running_max = -float("inf")
+    running_sum = 0.0
+    weighted_x = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
+        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + \
+            tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+        running_max = new_max
+        if SMOOTH:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                weighted_x += tl.sum(tl.where(mask, x * w, 0.0), axis=0)
+            else:
+                weighted_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = running_max + tl.log2(running_sum) * LN2
+
+    t = tl.load(target_ptr + row).to(tl.int64)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    x_t = tl.load(x_row + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        x_t = _softcapped(x_t, softcap)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_scale * lse * lse
+    if SMOOTH:
+        loss += smoothing / V * (_weight_total(weight_total_ptr, V, HAS_WEIGHT) * lse - weighted_x)
+    loss = tl.where(ignored, 0.0, loss)
+    loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, lse_ptr, mass_ptr, V, x_row_stride, y_row_stride,
+                          smoothing, z_scale, softcap,
+                          HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    # Probability targets: one pass for lse, A = sum_j w_j y'_j x_j and B = sum_j w_j y'_j.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    running_max = -float("inf")
+    running_sum = 0.0
+    target_x = 0.0
+    mass = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + \
+            tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+        running_max = new_max
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
+        if HAS_WEIGHT:
+            y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        target_x += tl.sum(tl.where(y != 0.0, y * x, 0.0), axis=0)  # y = 0 drops x = -inf, as torch's 0 * -inf does not
+        mass += tl.sum(y, axis=0)
+    lse = running_max + tl.log2(running_sum) * LN2
+    tl.store(loss_ptr + row, mass * lse - target_x + z_scale * lse * lse)
+    tl.store(lse_ptr + row, lse)
+    tl.store(mass_ptr + row, mass)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, lse_ptr, grad_ptr, V, x_row_stride,
+                     dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # One chunk of one row: read the logits again, write the gradient.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    t = tl.load(target_ptr + row).to(tl.int64)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        capped = _softcapped(x, softcap)
+        x = capped
+    p = tl.exp2((x - lse) * LOG2E)
+    coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * lse
+    if SMOOTH:
+        coef += smoothing / V * _weight_total(weight_total_ptr, V, HAS_WEIGHT)
+    d = p * coef - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)
+    if SMOOTH:
+        if HAS_WEIGHT:
+            d -= smoothing / V * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            d -= smoothing / V
+    if SOFTCAP:
+        tanh = capped / softcap
+        d *= 1.0 - tanh * tanh
+    d = tl.where(ignored, 0.0, d * g)
+    d = tl.where(in_range | ignored, d, float("nan"))
+    tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, lse_ptr, mass_ptr, grad_ptr, V, x_row_stride,
+                           y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
+                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    lse = tl.load(lse_ptr + row)
+    mass = tl.load(mass_ptr + row)
+    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        capped = _softcapped(x, softcap)
+        x = capped
+    y = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (1.0 - smoothing) * y + smoothing / V
+    if HAS_WEIGHT:
+        y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.exp2((x - lse) * LOG2E) * (mass + 2.0 * z_scale * lse) - y
+    if SOFTCAP:
+        tanh = capped / softcap
+        d *= 1.0 - tanh * tanh
+    tl.store(dx_ptr + row * dx_row_stride + cols, (d * g).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ launch heuristics
+# BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
+# 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93.
+FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
+BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
+
+
+def _block(V, block):
+    return min(block, max(16, triton.next_power_of_2(V)))
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _weight_total_of(weight, placeholder):
+    """sum(weight) as a 1-element float32 tensor on the device; any tensor without weights."""
+    return weight.float().sum().reshape(1) if weight is not None else placeholder
+
+
+def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+             smoothing: float, z_scale: float, softcap: float, prob_target: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss, lse and (probability targets) target mass B, all float32, of x[M, V]."""
+    M, V = x.shape
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
+        return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+    loss = torch.empty(M, dtype=torch.float32, device=x.device)
+    lse = torch.empty_like(loss)
+    mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return loss, lse, mass
+    has_weight = weight is not None
+    w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
+                  num_warps=FORWARD_WARPS)
+    if prob_target:
+        _forward_probs_kernel[(M,)](x, target, w, loss, lse, mass, V, x.stride(0), target.stride(0),
+                                    smoothing, z_scale, softcap, **common)
+    else:
+        _forward_kernel[(M,)](x, target, w, _weight_total_of(weight, loss), loss, lse, V, x.stride(0),
+                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
+    return loss, lse, mass
+
+
+def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+              lse: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
+              softcap: float, prob_target: bool, inplace: bool) -> torch.Tensor:
+    """dloss/dx[M, V] from the gradient of each row's loss."""
+    M, V = x.shape
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
+        return reference.cross_entropy_rows_backward(grad, x, target, weight, lse, ignore_index, smoothing,
+                                                     z_scale, softcap, prob_target)
+    dx = x if inplace else torch.empty_like(x)
+    if M == 0 or V == 0:
+        return dx
+    has_weight = weight is not None
+    w = weight if has_weight else lse
+    block = _block(V, BACKWARD_BLOCK)
+    grid = (M, triton.cdiv(V, block))
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=block, num_warps=BACKWARD_WARPS)
+    if prob_target:
+        _backward_probs_kernel[grid](dx, x, target, w, lse, mass, grad, V, x.stride(0), target.stride(0),
+                                     dx.stride(0), grad.stride(0), smoothing, z_scale, softcap, **common)
+    else:
+        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, lse), lse, grad, V, x.stride(0),
+                               dx.stride(0), grad.stride(0), ignore_index, smoothing, z_scale, softcap,
+                               SMOOTH=smoothing > 0, **common)
+    return dx
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# As for softmax: eager calls take a plain autograd.Function (custom-op dispatch costs tens
+# of microseconds of host time); torch.compile reaches the same functions as custom ops.
+
+
+def _target_grad(grad, x, weight, lse, smoothing, softcap):
+    """dloss/dy for probability targets: -(1 - e) * w * (x' - lse) per row, in torch (an
+    (M, V) temporary, made only when the targets require a gradient)."""
+    x = x.float()
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    d = (lse[:, None] - x) * (1 - smoothing)
+    if weight is not None:
+        d = d * weight.float()
+    return d * grad.float()[:, None]
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace):
+        loss, lse, mass = _forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+        ctx.save_for_backward(x, target, weight, lse, mass)
+        ctx.options = (ignore_index, smoothing, z_scale, softcap, prob_target)
+        ctx.inplace = inplace
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        x, target, weight, lse, mass = ctx.saved_tensors
+        dx = _backward(grad, x, target, weight, lse, mass, *ctx.options, ctx.inplace)
+        dtarget = None
+        if ctx.needs_input_grad[1]:
+            dtarget = _target_grad(grad, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
+        return dx, dtarget, None, None, None, None, None, None, None
+
+
+_forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
+    M = x.shape[0]
+    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32),
+            x.new_empty(M if prob_target else 0, dtype=torch.float32))
+
+
+def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                         lse: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float,
+                         z_scale: float, softcap: float, prob_target: bool) -> torch.Tensor:
+    return _backward(grad, x, target, weight, lse, mass, ignore_index, smoothing, z_scale, softcap,
+                     prob_target, inplace=False)
+
+
+_backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backward_no_inplace, mutates_args=())
+
+
+@_backward_op.register_fake
+def _(grad, x, target, weight, lse, mass, ignore_index, smoothing, z_scale, softcap, prob_target):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    x, target, weight, *options = inputs
+    _, lse, mass = output
+    ctx.save_for_backward(x, target, weight, lse, mass)
+    ctx.options = tuple(options)
+
+
+def _backward_of_op(ctx, grad, _lse, _mass):
+    x, target, weight, lse, mass = ctx.saved_tensors
+    dx = _backward_op(grad, x, target, weight, lse, mass, *ctx.options)
+    dtarget = None
+    if ctx.needs_input_grad[1]:
+        dtarget = _target_grad(grad, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
+    return dx, dtarget, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+def _rows_loss(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace):
+    """(loss per row, lse per row); under torch.compile through the custom ops (there the
+    gradient is never written in place)."""
+    if torch.compiler.is_compiling():
+        loss, lse, _ = _forward_op(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+        return loss, lse
+    return _CrossEntropy.apply(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    """Validate the arguments as torch does; returns whether targets are probabilities."""
+    name = "pintail.cross_entropy"
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name}: input and target must be tensors, got {type(input).__name__} and "
+                        f"{type(target).__name__}")
+    if not input.dtype.is_floating_point:
+        raise TypeError(f"{name}: input must be floating point logits, got dtype {input.dtype}")
+    if input.dim() == 0:
+        raise ValueError(f"{name}: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d tensor")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"{name}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{name}: softcap must be None or > 0, got {softcap}")
+    if target.device != input.device:
+        raise ValueError(f"{name}: target is on {target.device}, expected input's device {input.device}")
+    C = input.shape[0] if input.dim() == 1 else input.shape[1]
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or weight.shape != (C,):
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{name}: weight must have shape ({C},), one per class, got {shape}")
+        if weight.device != input.device:
+            raise ValueError(f"{name}: weight is on {weight.device}, expected input's device {input.device}")
+        if not weight.dtype.is_floating_point:
+            raise TypeError(f"{name}: weight must be floating point, got dtype {weight.dtype}")
+    prob_target = target.dtype.is_floating_point
+    if prob_target:
+        if target.shape != input.shape:
+            raise ValueError(f"{name}: probability targets must have the input's shape {tuple(input.shape)}, "
+                             f"got {tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError(f"{name}: ignore_index is not supported for probability (floating point) "
+                             f"targets, got ignore_index={ignore_index}")
+    else:
+        if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+            raise TypeError(f"{name}: class-index targets must be int64, int32 or uint8, got {target.dtype}")
+        expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+        if tuple(target.shape) != expected:
+            raise ValueError(f"{name}: target must have shape {expected} for input of shape "
+                             f"{tuple(input.shape)}, got {tuple(target.shape)}")
+    return prob_target
+
+
+def _check_target_values(target, C, ignore_index):
+    """Raise on a class index outside [0, C) that is not ignore_index. This reads the
+    targets on the host: one synchronisation."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= C))
+    if bad.any():
+        position = int(bad.nonzero()[0, 0])
+        raise IndexError(f"pintail.cross_entropy: target[{position}] = {int(target[position])} is out of "
+                         f"bounds: expected a class index in [0, {C}) or ignore_index ({ignore_index})")
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                  z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
+                  check_target=True):
+    """torch.nn.functional.cross_entropy, with Triton kernels on CUDA, plus extras.
+
+    Takes what torch takes: input (C), (N, C) or (N, C, d1, ...) with classes on dim 1;
+    class-index targets (int64, int32 or uint8) or class-probability targets (floating point,
+    the input's shape); weight, ignore_index, reduction, label_smoothing. Returns what torch
+    returns, in the input's dtype (computed in float32).
+
+    Keyword-only extras:
+    - z_loss: adds z_loss * lse^2 for every kept row (lse: the row's log-sum-exp), reduced
+      with the loss (mean: by the same denominator).
+    - softcap: logits become softcap * tanh(logits / softcap) first; the gradient goes through.
+    - return_z_loss / return_lse: also return the z-loss term alone (reduced as the loss) and
+      the float32 log-sum-exp of each row (target's shape), both without gradient, in that
+      order after the loss: (loss, z_loss, lse).
+    - inplace_backward: write the gradient into the logits' storage instead of a new tensor.
+      Saves the (N, C) gradient's memory; the logits hold the gradient after backward, so use
+      it only when nothing reads them afterwards (eager only: under torch.compile the gradient
+      gets its own tensor).
+    - check_target: in eager mode an out-of-range class index raises IndexError, which reads
+      the targets on the host (one synchronisation per call). With check_target=False, under
+      torch.compile and while a CUDA graph is being captured there is no check: the kernels
+      never read out of bounds, and a row with an out-of-range target gets a NaN loss and a
+      NaN gradient, so the error shows in the loss.
+
+    Rows of (N, C, d1, ...) inputs are gathered into an (N*d1*..., C) copy (classes are not
+    contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
+    """
+    softcap = 0.0 if softcap is None else softcap
+    prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                         softcap if softcap > 0 else None)
+    C = input.shape[0] if input.dim() == 1 else input.shape[1]
+    batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
+    x = input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(-1, C)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if prob_target:
+        t = target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(-1, C)
+        t = t if t.stride(-1) == 1 else t.contiguous()
+    else:
+        t = target.reshape(-1)
+        tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
+        if check_target and not tracing and t.numel() > 0:
+            _check_target_values(t, C, ignore_index)
+    loss_rows, lse = _rows_loss(x, t, weight, ignore_index, float(label_smoothing), float(z_loss), float(softcap),
+                                prob_target, inplace_backward)
+
+    if prob_target:
+        kept_weight = None  # every row counts once: the mean divides by the number of rows
+        kept = torch.ones_like(lse)
+    else:
+        kept = (t != ignore_index).float()
+        kept_weight = kept if weight is None else weight.float()[t.clamp(0, C - 1).long()] * kept
+
+    def reduce(rows):
+        if reduction == "none":
+            return rows.reshape(batch_shape)
+        if reduction == "sum":
+            return rows.sum()
+        return rows.sum() / (kept_weight.sum() if kept_weight is not None else rows.new_tensor(rows.numel()))
+
+    outputs = [reduce(loss_rows).to(input.dtype)]
+    if return_z_loss:
+        outputs.append(reduce(z_loss * lse.detach() ** 2 * kept).to(input.dtype))
+    if return_lse:
+        outputs.append(lse.detach().reshape(batch_shape))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
