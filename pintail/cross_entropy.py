@@ -452,9 +452,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     Rows of (N, C, d1, ...) inputs are gathered into an (N*d1*..., C) copy (classes are not
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
-    softcap = 0.0 if softcap is None else softcap
-    prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                         softcap if softcap > 0 else None)
+    prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    softcap = 0.0 if softcap is None else softcap  # 0: none, for the kernels
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
     batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
     x = input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(-1, C)

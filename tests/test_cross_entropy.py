@@ -1,0 +1,367 @@
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pintail
+from helpers import DTYPES, assert_matches
+
+ce_module = importlib.import_module("pintail.cross_entropy")
+MULTI_CHUNK = ce_module.FORWARD_BLOCK + 1000  # more than one chunk per row in both kernels
+
+
+def torch_cross_entropy(x, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                        z_loss=0.0, softcap=None):
+    """The extras composed from torch ops: (loss, z-loss term, lse)."""
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(x, target, weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    class_dim = 0 if x.dim() == 1 else 1
+    lse = torch.logsumexp(x.float() if x.dtype != torch.float64 else x, dim=class_dim)
+    if target.dtype.is_floating_point:
+        kept, denominator = torch.ones_like(lse), lse.numel()
+    else:
+        kept = (target != ignore_index).to(lse.dtype)
+        kept_target = torch.where(target != ignore_index, target, 0)
+        denominator = kept.sum() if weight is None else (weight.to(lse.dtype)[kept_target] * kept).sum()
+    z_rows = z_loss * lse**2 * kept
+    z = {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / denominator}[reduction]
+    return loss + z.to(loss.dtype), z, lse
+
+
+def check(x, target, upstream=None, **kw):
+    """pintail against torch: loss, z-loss, lse and the logits' gradient; float64 truth and
+    torch in the logits' dtype."""
+    dtype = x.dtype
+    cast = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    x_ours = x.detach().requires_grad_()
+    loss, z, lse = pintail.cross_entropy(x_ours, target, return_z_loss=True, return_lse=True, **kw)
+    x_truth = x.detach().double().requires_grad_()
+    target_truth = target.double() if target.is_floating_point() else target
+    loss_truth, z_truth, lse_truth = torch_cross_entropy(x_truth, target_truth, **cast)
+    x_same = x.detach().requires_grad_()
+    target_same = target.to(dtype) if target.is_floating_point() else target
+    loss_same, _, lse_same = torch_cross_entropy(x_same, target_same,
+                                                 **{k: (v.to(dtype) if isinstance(v, torch.Tensor) else v)
+                                                    for k, v in kw.items()})
+    assert loss.dtype == dtype and loss.shape == loss_truth.shape
+    assert_matches(loss, loss_truth, loss_same)
+    assert_matches(z, z_truth, z_truth.to(dtype))
+    assert lse.dtype == torch.float32
+    assert_matches(lse, lse_truth, lse_same)
+    if upstream is None:
+        upstream = torch.randn(loss.shape, device=x.device)
+    (dx,) = torch.autograd.grad(loss, x_ours, upstream.to(dtype))
+    (dx_truth,) = torch.autograd.grad(loss_truth, x_truth, upstream.double())
+    (dx_same,) = torch.autograd.grad(loss_same, x_same, upstream.to(dtype))
+    assert dx.dtype == dtype
+    assert_matches(dx, dx_truth, dx_same)
+    return loss, dx
+
+
+def class_targets(M, V, device, ignored=(1,)):
+    t = torch.randint(0, V, (M,), device=device)
+    for i in ignored:
+        if i < M:
+            t[i] = -100
+    return t
+
+
+OPTIONS = [
+    {},
+    {"weight": "w"},
+    {"label_smoothing": 0.1},
+    {"weight": "w", "label_smoothing": 0.25},
+    {"reduction": "sum", "weight": "w"},
+    {"reduction": "none", "label_smoothing": 0.1},
+    {"reduction": "none", "weight": "w", "label_smoothing": 1.0},
+    {"ignore_index": 3, "weight": "w"},
+]
+
+
+def with_weight(options, V, device):
+    return {k: (torch.rand(V, device=device) + 0.1 if v == "w" else v) for k, v in options.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V", [1, 7, 1000, MULTI_CHUNK])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_class_targets(dtype, V, options, device):
+    M = 5
+    x = (torch.randn(M, V, device=device) * 3).to(dtype)
+    kw = with_weight(options, V, device)
+    target = class_targets(M, V, device, ignored=() if "ignore_index" in kw else (1,))
+    if "ignore_index" in kw:
+        target[0] = kw["ignore_index"]
+    check(x, target, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V", [7, MULTI_CHUNK])
+@pytest.mark.parametrize("options", [{}, {"weight": "w"}, {"label_smoothing": 0.2}, {"reduction": "none"},
+                                     {"reduction": "sum", "weight": "w", "label_smoothing": 0.1}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_probability_targets(dtype, V, options, device):
+    M = 4
+    x = (torch.randn(M, V, device=device) * 3).to(dtype)
+    target = torch.softmax(torch.randn(M, V, device=device) * 2, dim=1)
+    target[0, : V // 2] = 0.0  # some classes carry no mass
+    check(x, target, **with_weight(options, V, device))
+
+
+def test_probability_targets_gradient_to_targets(device):
+    x = torch.randn(3, 50, device=device)
+    target = torch.softmax(torch.randn(3, 50, device=device), 1).requires_grad_()
+    target64 = target.detach().double().requires_grad_()
+    w = torch.rand(50, device=device)
+    loss = pintail.cross_entropy(x, target, weight=w, label_smoothing=0.1, softcap=5.0)
+    loss_truth, _, _ = torch_cross_entropy(x.double(), target64, weight=w.double(), label_smoothing=0.1, softcap=5.0)
+    (dt,) = torch.autograd.grad(loss, target)
+    (dt_truth,) = torch.autograd.grad(loss_truth, target64)
+    assert_matches(dt, dt_truth, dt_truth.float())
+
+
+@pytest.mark.parametrize("shape, dim_of_target", [((11,), ()), ((3, 9, 4, 2), (3, 4, 2)), ((2, 5, 7), (2, 7))])
+@pytest.mark.parametrize("prob", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_shapes(shape, dim_of_target, prob, reduction, device):
+    x = torch.randn(shape, device=device)
+    C = shape[0] if len(shape) == 1 else shape[1]
+    if prob:
+        target = torch.softmax(torch.randn(shape, device=device), dim=0 if len(shape) == 1 else 1)
+    else:
+        target = torch.randint(0, C, dim_of_target, device=device)
+    check(x, target, reduction=reduction, weight=torch.rand(C, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", [{"z_loss": 1e-3}, {"softcap": 15.0}, {"z_loss": 1e-2, "softcap": 3.0},
+                                     {"z_loss": 1e-4, "softcap": 30.0, "weight": "w", "label_smoothing": 0.1,
+                                      "reduction": "none"}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items() if k != "weight"))
+@pytest.mark.parametrize("prob", [False, True])
+def test_extras(dtype, options, prob, device):
+    M, V = 6, MULTI_CHUNK
+    x = (torch.randn(M, V, device=device) * 8).to(dtype)
+    target = torch.softmax(torch.randn(M, V, device=device), 1) if prob else class_targets(M, V, device)
+    check(x, target, **with_weight(options, V, device))
+
+
+def test_lse_is_the_row_logsumexp(device):
+    x = torch.randn(4, 300, device=device)
+    target = class_targets(4, 300, device)
+    loss, lse = pintail.cross_entropy(x, target, return_lse=True)
+    assert torch.allclose(lse, torch.logsumexp(x, 1), rtol=1e-6, atol=1e-6)
+    assert not lse.requires_grad
+
+
+def test_inplace_backward(device):
+    x = torch.randn(6, 777, device=device, dtype=torch.bfloat16)
+    target = class_targets(6, 777, device)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1.0  # a non-leaf, as logits coming out of a matmul
+    pintail.cross_entropy(logits, target, label_smoothing=0.1, inplace_backward=True).backward()
+    expected_logits = x.clone().requires_grad_()
+    pintail.cross_entropy(expected_logits, target, label_smoothing=0.1).backward()
+    assert torch.equal(leaf.grad, expected_logits.grad)
+    assert torch.equal(logits.detach(), expected_logits.grad)  # the logits' storage now holds the gradient
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
+def test_every_row_ignored(reduction, expected, device):
+    x = torch.randn(3, 10, device=device, requires_grad=True)
+    target = torch.full((3,), -100, device=device)
+    loss = pintail.cross_entropy(x, target, reduction=reduction)
+    truth = F.cross_entropy(x.detach().double(), target, reduction=reduction)
+    assert torch.equal(torch.isnan(loss), torch.isnan(truth)) and (torch.isnan(truth) or loss.item() == expected)
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))  # as torch: ignored rows get no gradient, even of NaN
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(reduction, device):
+    x = torch.randn(0, 10, device=device, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.int64, device=device)
+    loss = pintail.cross_entropy(x, target, reduction=reduction)
+    truth = F.cross_entropy(x.detach(), target, reduction=reduction)
+    assert loss.shape == truth.shape and torch.equal(torch.isnan(loss), torch.isnan(truth))
+    loss.sum().backward()
+    assert x.grad.shape == (0, 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extreme_logits(dtype, device):
+    M, V = 5, MULTI_CHUNK
+    x = torch.randn(M, V, device=device) * 2
+    x[0, ::3] = 1e4
+    x[1, :] = -1e4
+    x[2, 5:] = -float("inf")      # only the first 5 classes possible; the target is among them
+    x[3, : V // 2] = -float("inf")  # whole leading chunk impossible
+    x[4, :] = 0.0
+    target = torch.tensor([0, 7, 2, V - 1, 11], device=device)
+    check(x.to(dtype), target, label_smoothing=0.0)
+    check(x.to(dtype), target, weight=torch.rand(V, device=device))
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "wide_buffer", "transposed"])
+def test_non_contiguous_logits(layout, device):
+    base = torch.randn(12, 300, device=device)
+    x = {"row_slice": base[::2, :200], "wide_buffer": base[:, 10:290], "transposed": base[:40, :12].t()}[layout]
+    target = class_targets(x.shape[0], x.shape[1], device)
+    check(x, target, label_smoothing=0.1)
+
+
+def test_long_rows_need_no_copy(device, monkeypatch):
+    """Logits that are a slice of a wider buffer reach the kernels as they are."""
+    seen = []
+    original = ce_module._forward
+    monkeypatch.setattr(ce_module, "_forward", lambda x, *a: (seen.append(x), original(x, *a))[1])
+    base = torch.randn(8, 400, device=device)
+    x = base[:, :300]
+    pintail.cross_entropy(x, class_targets(8, 300, device))
+    assert seen[0].data_ptr() == x.data_ptr() and seen[0].stride() == (400, 1)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.uint8])
+def test_target_dtypes(target_dtype, device):
+    x = torch.randn(5, 30, device=device)
+    target = torch.randint(0, 30, (5,), device=device)
+    ours = pintail.cross_entropy(x, target.to(target_dtype))
+    assert torch.allclose(ours, F.cross_entropy(x, target), rtol=1e-5)
+
+
+def test_unchecked_bad_target_gives_nan_not_a_wild_read(device):
+    """check_target=False (as under CUDA-graph capture or torch.compile): a target past the
+    vocabulary turns its row's loss and gradient into NaN; other rows are untouched."""
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    target = torch.tensor([3, 10**6, -7, 5], device=device)
+    rows = pintail.cross_entropy(x, target, reduction="none", check_target=False)
+    assert torch.isnan(rows[1]) and torch.isnan(rows[2])
+    good = torch.tensor([0, 3], device=device)
+    assert torch.allclose(rows[good], F.cross_entropy(x[good], target[good], reduction="none"), rtol=1e-5)
+    rows.sum().backward()
+    assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[good]).all()
+
+
+def test_bad_input(device):
+    x = torch.randn(4, 10, device=device)
+    t = torch.randint(0, 10, (4,), device=device)
+    cases = [
+        (dict(target=torch.tensor([1, 2, 10, 3], device=device)), IndexError, r"target\[2\] = 10 is out of bounds"),
+        (dict(target=torch.tensor([1, -2, 0, 3], device=device)), IndexError, r"target\[1\] = -2 is out of bounds"),
+        (dict(target=t.float()), ValueError, "probability targets must have the input's shape"),
+        (dict(target=t.to(torch.int16)), TypeError, "must be int64, int32 or uint8, got torch.int16"),
+        (dict(target=t[:3]), ValueError, r"target must have shape \(4,\)"),
+        (dict(weight=torch.ones(9, device=device)), ValueError, r"weight must have shape \(10,\)"),
+        (dict(weight=torch.ones(10, dtype=torch.int64, device=device)), TypeError, "weight must be floating"),
+        (dict(label_smoothing=1.5), ValueError, "label_smoothing must be between 0.0 and 1.0, got 1.5"),
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be between"),
+        (dict(reduction="avg"), ValueError, "'avg' is not a valid value for reduction"),
+        (dict(z_loss=-1.0), ValueError, "z_loss must be >= 0"),
+        (dict(softcap=0.0), ValueError, "softcap must be None or > 0"),
+        (dict(input=x.long()), TypeError, "input must be floating point logits"),
+        (dict(target=torch.softmax(x, 1), ignore_index=2), ValueError, "ignore_index is not supported"),
+    ]
+    for change, error, message in cases:
+        args = dict(input=x, target=t, **{k: v for k, v in change.items() if k not in ("input", "target")})
+        args["input"] = change.get("input", x)
+        args["target"] = change.get("target", t)
+        with pytest.raises(error, match=message):
+            pintail.cross_entropy(**args)
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="weight is on cpu"):
+            pintail.cross_entropy(x, t, weight=torch.ones(10))
+        with pytest.raises(ValueError, match="target is on cpu"):
+            pintail.cross_entropy(x, t.cpu())
+
+
+def test_module_drops_in(device):
+    w = torch.rand(20, device=device)
+    ours = pintail.nn.CrossEntropyLoss(weight=w, ignore_index=2, reduction="sum", label_smoothing=0.05)
+    theirs = torch.nn.CrossEntropyLoss(weight=w, ignore_index=2, reduction="sum", label_smoothing=0.05)
+    assert isinstance(ours, torch.nn.CrossEntropyLoss)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(7, 20, device=device)
+    t = torch.randint(0, 20, (7,), device=device)
+    t[0] = 2
+    assert torch.allclose(ours(x, t), theirs(x, t), rtol=1e-5)
+
+
+def test_compile_fullgraph_and_opcheck(device):
+    x = torch.randn(6, 90, device=device, requires_grad=True)
+    t = class_targets(6, 90, device)
+    w = torch.rand(90, device=device)
+
+    def step(x):
+        return pintail.cross_entropy(x * 2.0, t, weight=w, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
+
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    loss = torch.compile(step, fullgraph=True, backend=backend)(x)
+    (grad,) = torch.autograd.grad(loss, x)
+    loss_eager = step(x)
+    (grad_eager,) = torch.autograd.grad(loss_eager, x)
+    assert torch.allclose(loss, loss_eager, rtol=1e-5) and torch.allclose(grad, grad_eager, rtol=1e-4, atol=1e-7)
+    args = (x.detach().requires_grad_(), t, w, -100, 0.1, 1e-3, 20.0, False)
+    torch.library.opcheck(torch.ops.pintail.cross_entropy_forward.default, args)
+    probs = torch.softmax(torch.randn(6, 90, device=device), 1)
+    torch.library.opcheck(torch.ops.pintail.cross_entropy_forward.default,
+                          (x.detach().requires_grad_(), probs, None, -100, 0.0, 0.0, 0.0, True))
+
+
+def test_cuda_graph_training_step(device):
+    """No host synchronisation with check_target=False: a forward and backward capture into a
+    CUDA graph and replay with new logits and targets."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    x = torch.randn(64, 40000, device=device, dtype=torch.bfloat16, requires_grad=True)
+    t = class_targets(64, 40000, device, ignored=(3, 9))
+
+    def step():
+        loss = pintail.cross_entropy(x, t, label_smoothing=0.1, check_target=False)
+        (dx,) = torch.autograd.grad(loss, x)
+        return loss, dx
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss, dx = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+        t.copy_(class_targets(64, 40000, device, ignored=(5,)))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(x.detach(), t, upstream=torch.tensor(1.0, device=device), label_smoothing=0.1)
+    x64 = x.detach().double().requires_grad_()
+    truth = F.cross_entropy(x64, t, label_smoothing=0.1)
+    (dx_truth,) = torch.autograd.grad(truth, x64)
+    assert_matches(loss, truth, F.cross_entropy(x.detach(), t, label_smoothing=0.1))
+    assert_matches(dx, dx_truth, dx_truth.to(dx.dtype))
+
+
+def test_past_2_to_the_31_elements_and_peak_memory(device):
+    """(8200, 262144) bf16 logits: 2^31 + 2^21 elements. The forward and backward allocate
+    nothing of the logits' size beyond the gradient (no float32 copy, no (M, V) temporaries)."""
+    if device.type != "cuda":
+        pytest.skip("needs 8.6 GB of GPU memory")
+    M, V = 8200, 262144
+    x = torch.randn(M, V, device=device, dtype=torch.bfloat16, requires_grad=True)
+    t = class_targets(M, V, device, ignored=(5, 8199))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = pintail.cross_entropy(x, t, reduction="none")
+    (dx,) = torch.autograd.grad(loss.sum(), x)
+    peak_extra = torch.cuda.max_memory_allocated() - before - dx.numel() * dx.element_size()
+    assert peak_extra <= 0.01 * x.numel() * x.element_size(), peak_extra
+    for r in (0, 5, 4096, M - 2, M - 1):
+        row64 = x[r].detach().double().requires_grad_()
+        truth = F.cross_entropy(row64[None], t[r:r + 1], reduction="none")
+        (dx_truth,) = torch.autograd.grad(truth.sum(), row64)
+        assert_matches(loss[r:r + 1], truth, F.cross_entropy(x[r:r + 1].detach(), t[r:r + 1], reduction="none"))
+        assert_matches(dx[r], dx_truth, dx_truth.to(dx.dtype))
