@@ -26,35 +26,52 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass
 class Op:
-    """One op as the bench sees it: the pintail and torch functions of (x, ...) on rows of
-    length N, and the fewest bytes per element each direction must move."""
+    """One op as the bench sees it. Its functions take (x, *extras): x[M, N] the tensor the
+    bytes are counted on (and the gradient taken for), extras made by `extras(x)` (e.g.
+    targets). `directions` maps each direction the op is timed in to the fewest bytes it
+    must move per element of x, in units of x's element size:
+      fwd: the forward; bwd: the backward of a saved forward, torch.autograd.grad(y, x, dy);
+      fwd+bwd: forward and backward of a scalar loss as one step, torch.autograd.grad(loss, x)."""
     pintail: Callable
     torch: Callable
-    forward_bytes: int     # per element, in units of the element size
-    backward_bytes: int
-    sizes: tuple           # default row lengths N
+    directions: dict
+    sizes: tuple                             # default row lengths N
+    rows: Callable = None                    # N -> M (default: --elements // N)
+    extras: Callable = lambda x: ()
+    unchecked: Callable = None               # pintail without its input checks (a 4th provider)
 
 
 def _ops():
     import pintail
+    norm_sizes = (1024, 4096, 8192, 32768, 131072, 262144)
+
+    def class_targets(x):
+        return (torch.randint(0, x.shape[1], (x.shape[0],), device=x.device),)
+
     return {
-        "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1), 2, 3,
-                      (1024, 4096, 8192, 32768, 131072, 262144)),
-        "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1), 2, 3,
-                          (1024, 4096, 8192, 32768, 131072, 262144)),
+        "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1),
+                      {"fwd": 2, "bwd": 3}, norm_sizes),
+        "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1),
+                          {"fwd": 2, "bwd": 3}, norm_sizes),
+        # BENCHMARKS.md: M = 4096 rows; 128256 and 151936 are real vocabularies (Llama 3, Qwen 2)
+        "cross_entropy": Op(pintail.cross_entropy, torch.nn.functional.cross_entropy,
+                            {"fwd": 1, "fwd+bwd": 3}, (32768, 128256, 131072, 151936, 262144),
+                            rows=lambda N: 4096, extras=class_targets,
+                            unchecked=lambda x, t: pintail.cross_entropy(x, t, check_target=False)),
     }
 
 
-DEFAULT_OPS = ["softmax"]
+DEFAULT_OPS = ["softmax", "cross_entropy"]
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops, or 'all' (softmax, log_softmax); default: "
+                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
-    p.add_argument("--directions", default="fwd,bwd", help="fwd, bwd or both (default %(default)s)")
+    p.add_argument("--directions", default=None,
+                   help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
     p.add_argument("--sizes", default=None, help="comma-separated row lengths N (default: each op's own)")
     p.add_argument("--elements", type=int, default=2**27, help="M*N per shape (default 2^27)")
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
@@ -90,13 +107,14 @@ def _copy_bandwidth():
     return 2 * 2**30 * 2 / (ms * 1e-3)
 
 
-def _step(fn, direction, M, N, dtype):
-    """A zero-argument function that runs one forward, or one backward of a saved forward."""
-    x = torch.randn(M, N, device="cuda", dtype=dtype)
+def _step(fn, direction, x, extras):
+    """A zero-argument function that runs one timed step of `direction` (see Op)."""
     if direction == "fwd":
-        return lambda: fn(x)
+        return lambda: fn(x, *extras)
     x.requires_grad_(True)
-    y = fn(x)
+    if direction == "fwd+bwd":
+        return lambda: torch.autograd.grad(fn(x, *extras), (x,))
+    y = fn(x, *extras)
     dy = torch.randn_like(y)
     return lambda: torch.autograd.grad(y, (x,), dy, retain_graph=True)
 
@@ -110,31 +128,34 @@ def benchmark(args):
     dtype = DTYPES[args.dtype]
     elem = torch.finfo(dtype).bits // 8
     providers = args.providers.split(",")
-    directions = args.directions.split(",")
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     copy_bw = _copy_bandwidth()
     print(f"copy ceiling: {copy_bw / 1e12:.2f} TB/s (y.copy_(x), 2^30 bf16 elements)", flush=True)
 
-    plan = [(name, d, N) for name, op in ops.items() for d in directions
-            for N in ([int(s) for s in args.sizes.split(",")] if args.sizes else op.sizes)]
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    wanted = args.directions.split(",") if args.directions else None
+    plan = [(name, d, N) for name, op in ops.items() for d in op.directions if wanted is None or d in wanted
+            for N in (sizes or op.sizes)]
     results = []
     for i, (name, direction, N) in enumerate(plan, 1):
         op = ops[name]
-        M = max(1, args.elements // N)
-        nbytes = M * N * elem * (op.forward_bytes if direction == "fwd" else op.backward_bytes)
-        for provider in providers:
+        M = op.rows(N) if op.rows else max(1, args.elements // N)
+        nbytes = M * N * elem * op.directions[direction]
+        for provider in providers + (["pintail_unchecked"] if op.unchecked and "pintail" in providers else []):
             torch._dynamo.reset()  # dynamic=False: one graph per shape, no recompile limit
-            fn = {"pintail": op.pintail, "eager": op.torch,
+            fn = {"pintail": op.pintail, "pintail_unchecked": op.unchecked, "eager": op.torch,
                   "compile": torch.compile(op.torch, dynamic=False)}[provider]
-            ms = _time_ms(_step(fn, direction, M, N, dtype))
+            x = torch.randn(M, N, device="cuda", dtype=dtype)
+            ms = _time_ms(_step(fn, direction, x, op.extras(x)))
             tbps = nbytes / (ms * 1e-3) / 1e12
             results.append({"op": name, "direction": direction, "M": M, "N": N, "provider": provider,
                             "ms": ms, "tbps": tbps, "fraction_of_copy": tbps * 1e12 / copy_bw})
             print(f"[{i}/{len(plan)}] {name} {direction} M={M} N={N} {provider}: {ms:.4f} ms, "
                   f"{tbps:.2f} TB/s, {tbps * 1e12 / copy_bw:.2f} of copy", flush=True)
+            del x
         torch.cuda.empty_cache()
 
-    table = _table(results, providers)
+    table = _table(results, list(dict.fromkeys(r["provider"] for r in results)))
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -158,7 +179,7 @@ def _table(results, providers):
         head += ["pintail ms", "pintail TB/s", "speed-up"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (op, d, N), row in by_key.items():
-        cells = [op, d, str(N)] + [f"{row[p]['fraction_of_copy']:.2f}" for p in providers]
+        cells = [op, d, str(N)] + [f"{row[p]['fraction_of_copy']:.2f}" if p in row else "-" for p in providers]
         if "pintail" in providers:
             others = [row[p]["ms"] for p in ("eager", "compile") if p in row]
             speedup = f"{min(others) / row['pintail']['ms']:.2f}x" if others else "-"
@@ -225,17 +246,18 @@ def check_in_interpreter(args):
         for dtype in CHECK_TOLERANCE:
             for M, N in CHECK_SIZES:
                 x = (torch.randn(M, N) * 3).to(dtype)
+                extras = op.extras(x)
                 t0 = time.time()
                 try:
                     xk = x.clone().requires_grad_()
-                    y = op.pintail(xk)
+                    y = op.pintail(xk, *extras)
                     dy = torch.randn_like(y)
                     (dx,) = torch.autograd.grad(y, xk, dy)
                     x64 = x.double().requires_grad_()
-                    y64 = op.torch(x64)
+                    y64 = op.torch(x64, *extras)
                     (dx64,) = torch.autograd.grad(y64, x64, dy.double())
                     xt = x.clone().requires_grad_()  # torch in the same dtype: the second bar
-                    yt = op.torch(xt)
+                    yt = op.torch(xt, *extras)
                     (dxt,) = torch.autograd.grad(yt, xt, dy)
                     errs = (_relative_error(y, y64), _relative_error(dx, dx64))
                     bars = [max(CHECK_TOLERANCE[dtype], 2 * _relative_error(t, t64))

@@ -16,12 +16,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sm = importlib.import_module("pintail.softmax")
+ce = importlib.import_module("pintail.cross_entropy")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
-                 if t != "constexpr" and name not in ("SLICES", "LAG")}
+                 if t != "constexpr" and t != "fp32" and name not in ("SLICES", "LAG", "ignore_index")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     path = "/tmp/pintail_inspect.cubin"
@@ -47,6 +48,19 @@ def main():
     for block, warps in ((8192, 4), (8192, 8), (4096, 4)):
         inspect(sm._forward_split_kernel, fwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
         inspect(sm._backward_split_kernel, bwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
+    ce_fwd = {"x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_total_ptr": "*fp32",
+              "loss_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "x_row_stride": "i32", "ignore_index": "i32",
+              "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
+              "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
+    ce_bwd = {"dx_ptr": "*bf16", "x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32",
+              "weight_total_ptr": "*fp32", "lse_ptr": "*fp32", "grad_ptr": "*fp32", "V": "i32",
+              "x_row_stride": "i32", "dx_row_stride": "i32", "grad_stride": "i32", "ignore_index": "i32",
+              "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
+              "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
+    for flags in (False, True):
+        options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
+        inspect(ce._forward_kernel, ce_fwd, {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
+        inspect(ce._backward_kernel, ce_bwd, {**options, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
 
 
 if __name__ == "__main__":
