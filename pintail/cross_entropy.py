@@ -289,24 +289,57 @@ def _target_grad(grad, x, weight, lse, smoothing, softcap):
     return d * grad.float()[:, None]
 
 
+class _Reduction:
+    """How the per-row losses become the returned loss: none (the target's shape), sum, or
+    mean (divided by the kept rows' summed class weights; by the row count for probability
+    targets). Also the derivative of that step, for the eager backward."""
+
+    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape):
+        self.reduction, self.batch_shape = reduction, batch_shape
+        self.denominator = None
+        if reduction == "mean":
+            M = target.shape[0]
+            if prob_target:
+                self.denominator = torch.full((), float(M), device=target.device)
+            elif weight is None:
+                self.denominator = (target != ignore_index).sum().float()
+            else:
+                kept = target != ignore_index
+                self.denominator = (weight.float()[torch.where(kept, target, 0).long()] * kept).sum()
+
+    def __call__(self, rows):
+        if self.reduction == "none":
+            return rows.reshape(self.batch_shape)
+        return rows.sum() if self.reduction == "sum" else rows.sum() / self.denominator
+
+    def row_gradients(self, grad, M):
+        if self.reduction == "none":
+            return grad.reshape(M)
+        return (grad if self.reduction == "sum" else grad / self.denominator).float().expand(M)
+
+
 class _CrossEntropy(torch.autograd.Function):
+    """Eager path: the kernels and the reduction as one autograd node (a chain of small torch
+    ops with their own nodes cost more host time than the kernels at LM sizes)."""
+
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace):
-        loss, lse, mass = _forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+    def forward(ctx, x, target, weight, options, reduce, inplace):
+        rows, lse, mass = _forward(x, target, weight, *options)
         ctx.save_for_backward(x, target, weight, lse, mass)
-        ctx.options = (ignore_index, smoothing, z_scale, softcap, prob_target)
-        ctx.inplace = inplace
+        ctx.options, ctx.reduce, ctx.inplace = options, reduce, inplace
         ctx.mark_non_differentiable(lse)
-        return loss, lse
+        ctx.set_materialize_grads(False)
+        return reduce(rows).to(x.dtype), lse
 
     @staticmethod
     def backward(ctx, grad, _):
         x, target, weight, lse, mass = ctx.saved_tensors
-        dx = _backward(grad, x, target, weight, lse, mass, *ctx.options, ctx.inplace)
+        grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
+        dx = _backward(grad_rows, x, target, weight, lse, mass, *ctx.options, ctx.inplace)
         dtarget = None
         if ctx.needs_input_grad[1]:
-            dtarget = _target_grad(grad, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
-        return dx, dtarget, None, None, None, None, None, None, None
+            dtarget = _target_grad(grad_rows, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
+        return dx, dtarget, None, None, None, None
 
 
 _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
@@ -353,13 +386,13 @@ def _backward_of_op(ctx, grad, _lse, _mass):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
-def _rows_loss(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace):
-    """(loss per row, lse per row); under torch.compile through the custom ops (there the
-    gradient is never written in place)."""
+def _loss_and_lse(x, target, weight, options, reduce, inplace):
+    """(the reduced loss in x's dtype, lse per row). Under torch.compile through the custom
+    ops, with the reduction as traced torch ops (and the gradient never written in place)."""
     if torch.compiler.is_compiling():
-        loss, lse, _ = _forward_op(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
-        return loss, lse
-    return _CrossEntropy.apply(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, inplace)
+        rows, lse, _ = _forward_op(x, target, weight, *options)
+        return reduce(rows).to(x.dtype), lse
+    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
 
 
 # ------------------------------------------------------------------------ public API
@@ -467,25 +500,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
         if check_target and not tracing and t.numel() > 0:
             _check_target_values(t, C, ignore_index)
-    loss_rows, lse = _rows_loss(x, t, weight, ignore_index, float(label_smoothing), float(z_loss), float(softcap),
-                                prob_target, inplace_backward)
-
-    if prob_target:
-        kept_weight = None  # every row counts once: the mean divides by the number of rows
-        kept = torch.ones_like(lse)
-    else:
-        kept = (t != ignore_index).float()
-        kept_weight = kept if weight is None else weight.float()[t.clamp(0, C - 1).long()] * kept
-
-    def reduce(rows):
-        if reduction == "none":
-            return rows.reshape(batch_shape)
-        if reduction == "sum":
-            return rows.sum()
-        return rows.sum() / (kept_weight.sum() if kept_weight is not None else rows.new_tensor(rows.numel()))
-
-    outputs = [reduce(loss_rows).to(input.dtype)]
+    options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
+    reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
+    loss, lse = _loss_and_lse(x, t, weight, options, reduce, inplace_backward)
+    outputs = [loss]
     if return_z_loss:
+        kept = torch.ones_like(lse) if prob_target else (t != ignore_index).float()
         outputs.append(reduce(z_loss * lse.detach() ** 2 * kept).to(input.dtype))
     if return_lse:
         outputs.append(lse.detach().reshape(batch_shape))

@@ -7,9 +7,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, t
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def assert_matches(ours, truth, torch_same_dtype):
+def assert_matches(ours, truth, torch_same_dtype, unit=1e-2):
     """`ours` equals the float64 `truth` up to the dtype's tolerance, or errs no more than
-    twice what torch errs in the same dtype; NaN and +-inf in the same places."""
+    twice what torch errs in the same dtype; NaN and +-inf in the same places. The tolerance
+    is relative to the largest magnitude in the truth, or to `unit` where that is smaller
+    (a truth of exact zeros still allows rounding of the terms that cancel to it)."""
     assert ours.shape == truth.shape, (ours.shape, truth.shape)
     assert ours.dtype == torch_same_dtype.dtype, (ours.dtype, torch_same_dtype.dtype)
     ours64, truth64 = ours.detach().double().cpu(), truth.detach().double().cpu()
@@ -22,6 +24,6 @@ def assert_matches(ours, truth, torch_same_dtype):
         return
     err = (ours64[finite] - truth64[finite]).abs().max().item()
     torch_err = (torch64[finite] - truth64[finite]).abs().max().item()
-    scale = max(truth64[finite].abs().max().item(), 1e-2)  # a truth of exact zeros still allows rounding
+    scale = max(truth64[finite].abs().max().item(), unit)
     allowed = max(2 * torch_err, TOLERANCE[ours.dtype] * scale)
     assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g} (torch errs {torch_err:.3g})"
