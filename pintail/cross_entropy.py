@@ -51,6 +51,25 @@ def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _logits(x_row, cols, mask, softcap, SOFTCAP: tl.constexpr):
+    """A chunk of a row's logits in float32, softcapped if asked; -inf past the row's end."""
+    x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    if SOFTCAP:
+        x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
+    return x
+
+
+@triton.jit
+def _online_lse_step(x, running_max, running_sum):
+    """Fold a chunk into a running (max, sum of exp(x - max)): one exp per logit and one
+    rescale per chunk (a scalar max per chunk, not per lane)."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
+    running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+    return new_max, running_sum
+
+
+@triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, lse_ptr, V, x_row_stride,
                     ignore_index, smoothing, z_scale, softcap,
                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -64,14 +83,8 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, l
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
-        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        if SOFTCAP:
-            x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
-        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + \
-            tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
-        running_max = new_max
+        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
+        running_max, running_sum = _online_lse_step(x, running_max, running_sum)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -114,14 +127,8 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, lse_ptr, mass_ptr,
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
-        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        if SOFTCAP:
-            x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + \
-            tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
-        running_max = new_max
+        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
+        running_max, running_sum = _online_lse_step(x, running_max, running_sum)
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
         if HAS_WEIGHT:

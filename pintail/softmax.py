@@ -82,16 +82,21 @@ def _wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
 
 
 @triton.jit
+def _ticket_work(ticket, SLICES, LAG, BLOCK: tl.constexpr):
+    """Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG
+    before (`done`; negative: nothing to write yet)."""
+    row = ticket // SLICES
+    return row, row - LAG, (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
-    # Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG before.
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
-        row = ticket // SLICES
-        done = row - LAG
-        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        row, done, cols = _ticket_work(ticket, SLICES, LAG, BLOCK)
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
         x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
                         other=-float("inf")).to(tl.float32)
@@ -149,9 +154,7 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
-        row = ticket // SLICES
-        done = row - LAG
-        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        row, done, cols = _ticket_work(ticket, SLICES, LAG, BLOCK)
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
         dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
