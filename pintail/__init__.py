@@ -2,7 +2,8 @@
 
 from . import nn
 from .cross_entropy import cross_entropy
+from .rotary import apply_rotary, rotary
 from .softmax import log_softmax, softmax
 
-__all__ = ["cross_entropy", "softmax", "log_softmax", "nn"]
+__all__ = ["apply_rotary", "cross_entropy", "log_softmax", "nn", "rotary", "softmax"]
 __version__ = "0.1.0"

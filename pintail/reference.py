@@ -54,3 +54,30 @@ def cross_entropy_rows_backward(grad, x, target, weight, lse, ignore_index, smoo
         loss, _, _ = cross_entropy_rows(xg, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
         (dx,) = torch.autograd.grad(loss, xg, grad.to(loss.dtype))
     return dx.to(x.dtype)
+
+
+def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    """The rotation of pintail/rotary.py in torch: x * cos + turn(x) * sin on the first
+    rotary_dim features; backward: the transpose, y * cos - turn(y * sin)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xs = x.movedim(seq_dim, 1)  # (B, S, H, D)
+    B, S = xs.shape[:2]
+    if cos.dim() == 3:
+        c, s = cos.expand(B, S, -1), sin.expand(B, S, -1)
+    else:
+        rows = positions if positions is not None else (torch.arange(S, device=x.device) + seq_offset).expand(B, S)
+        c, s = cos[rows], sin[rows]
+    if c.shape[-1] != rotary_dim:  # a column per pair: one per feature
+        widen = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
+        c, s = widen(c), widen(s)
+    c, s = c[:, :, None, :].to(compute), s[:, :, None, :].to(compute)
+
+    def turn(v):
+        if interleaved:
+            return torch.stack([-v[..., 1::2], v[..., ::2]], -1).flatten(-2)
+        first, second = v.chunk(2, -1)
+        return torch.cat([-second, first], -1)
+
+    v = xs[..., :rotary_dim].to(compute)
+    out = v * c - turn(v * s) if backward else v * c + turn(v) * s
+    return torch.cat([out.to(x.dtype), xs[..., rotary_dim:]], -1).movedim(1, seq_dim)

@@ -1,0 +1,301 @@
+"""Rotary position embeddings: a Triton kernel for forward and backward, autograd and
+torch.library registration.
+
+The rotation, as Hugging Face Llama-style models write it: out = x * cos + rotate(x) * sin,
+over the first rotary_dim features of each head (the rest pass through). The features pair
+up either half-split (GPT-NeoX / Llama: feature i with i + rotary_dim/2) or interleaved
+(GPT-J: 2i with 2i + 1). For a pair (a, b) with table entries (c1, s1) at a's feature and
+(c2, s2) at b's:
+    forward:  a' = a c1 - b s1,   b' = b c2 + a s2
+    backward: da = da' c1 + db' s2,   db = db' c2 - da' s1   (the transpose; with c1 = c2 and
+              s1 = s2, as rotary tables are, the rotation by the opposite angle)
+cos / sin tables hold rotary_dim columns (Hugging Face: each frequency twice) or
+rotary_dim / 2 (one per pair); rows are positions, or per-token rows of shape
+(batch, seq, width).
+
+Bytes: read x, write the output; the table rows are read once per token for all heads.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._launch import KERNEL_DTYPES, runs_kernels
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, D, seq_offset, table_rows,
+                   x_stride_b, x_stride_s, x_stride_h, out_stride_b, out_stride_s, out_stride_h,
+                   table_stride_b, table_stride_row, pos_stride_b, pos_stride_s,
+                   PAIRS: tl.constexpr, X_STEP: tl.constexpr, X_SECOND: tl.constexpr,
+                   TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
+                   HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
+    # One token (b, s): its table row once, then every head.
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // S
+    s = pid % S
+    if HAS_POS:
+        position = tl.load(pos_ptr + b * pos_stride_b + s * pos_stride_s).to(tl.int64)
+    else:
+        position = s + seq_offset
+    in_table = (position >= 0) & (position < table_rows)  # outside: NaN out, never a wild read
+    pair = tl.arange(0, BLOCK_P)
+    pair_mask = pair < PAIRS
+    # the table entries of each pair's first and second feature (cos and sin share strides)
+    row = b * table_stride_b + position * table_stride_row
+    at1 = row + pair * TABLE_STEP
+    at2 = at1 + TABLE_SECOND
+    table_mask = pair_mask & in_table
+    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
+    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
+    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
+    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
+    first = pair * X_STEP
+    second = first + X_SECOND
+    rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads < H)[:, None] & pair_mask[None, :]
+        x_head = x_ptr + b * x_stride_b + s * x_stride_s + heads[:, None].to(tl.int64) * x_stride_h
+        o_head = out_ptr + b * out_stride_b + s * out_stride_s + heads[:, None].to(tl.int64) * out_stride_h
+        a = tl.load(x_head + first[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(x_head + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:
+            new_a = a * c1[None, :] + z * s2[None, :]
+            new_z = z * c2[None, :] - a * s1[None, :]
+        else:
+            new_a = a * c1[None, :] - z * s1[None, :]
+            new_z = z * c2[None, :] + a * s2[None, :]
+        tl.store(o_head + first[None, :], new_a.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + second[None, :], new_z.to(out_ptr.dtype.element_ty), mask=mask)
+        if COPY_REST:  # features past rotary_dim pass through
+            rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
+            tl.store(o_head + rest[None, :], tl.load(x_head + rest[None, :], mask=rest_mask), mask=rest_mask)
+
+
+# ------------------------------------------------------------------ launch heuristics
+HEAD_TILE_FEATURES = 4096  # heads per loop step: about this many features at once
+
+
+def _bsh_strides(t, seq_dim):
+    return (t.stride(0), t.stride(1), t.stride(2)) if seq_dim == 1 else (t.stride(0), t.stride(2), t.stride(1))
+
+
+def _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    """out = rotary(x), or its transpose for the backward, for x of shape (B, S, H, D)
+    (seq_dim 1) or (B, H, S, D) (seq_dim 2) with unit feature stride."""
+    B, D = x.shape[0], x.shape[3]
+    S, H = (x.shape[1], x.shape[2]) if seq_dim == 1 else (x.shape[2], x.shape[1])
+    if x.numel() == 0:
+        return
+    pairs = rotary_dim // 2
+    full_table = cos.shape[-1] == rotary_dim
+    per_token = cos.dim() == 3
+    block_p = triton.next_power_of_2(pairs)
+    rest = D - rotary_dim
+    _rotary_kernel[(B * S,)](
+        x, out, cos, sin, positions if positions is not None else cos, S, H, D, seq_offset, cos.shape[-2],
+        *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim),
+        cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
+        positions.stride(0) if positions is not None else 0, positions.stride(1) if positions is not None else 0,
+        PAIRS=pairs, X_STEP=2 if interleaved else 1, X_SECOND=1 if interleaved else pairs,
+        TABLE_STEP=2 if (interleaved and full_table) else 1,
+        TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
+        HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),
+        BLOCK_H=max(1, min(triton.next_power_of_2(H), HEAD_TILE_FEATURES // (2 * block_p))), BLOCK_P=block_p,
+        BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=4)
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None, seq_dim: int,
+            seq_offset: int, rotary_dim: int, interleaved: bool, backward: bool) -> torch.Tensor:
+    """The rotation of x (or its transpose) into a new tensor of x's layout."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES):
+        return reference.rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x)
+    _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
+    return out
+
+
+def _rotate_in_place(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved):
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES):
+        x.copy_(reference.rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False))
+    else:
+        _launch(x, x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
+    return x
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# Eager calls take a plain autograd.Function (host time, as for softmax); torch.compile
+# reaches the same function as a custom op, out of place.
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace):
+        geometry = (seq_dim, seq_offset, rotary_dim, interleaved)
+        if inplace:
+            out = _rotate_in_place(x, cos, sin, positions, *geometry)
+            ctx.mark_dirty(x)
+        else:
+            out = _rotate(x, cos, sin, positions, *geometry, backward=False)
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.geometry = geometry
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, positions = ctx.saved_tensors
+        return (_rotate(grad, cos, sin, positions, *ctx.geometry, backward=True),
+                None, None, None, None, None, None, None, None)
+
+
+_rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=())
+
+
+@_rotary_op.register_fake
+def _(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    return torch.empty_like(x if x.stride(-1) == 1 else x.contiguous())
+
+
+def _setup_context(ctx, inputs, output):
+    _, cos, sin, positions, *geometry = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.geometry = tuple(geometry[:-1])
+
+
+def _backward_of_op(ctx, grad):
+    cos, sin, positions = ctx.saved_tensors
+    return _rotary_op(grad, cos, sin, positions, *ctx.geometry, True), None, None, None, None, None, None, None, None
+
+
+_rotary_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _positions_from(cu_seqlens, total, seq_offset):
+    """Position of each packed token inside its own sequence (no host synchronisation)."""
+    starts = cu_seqlens[:-1]
+    lengths = cu_seqlens[1:] - starts
+    first = torch.repeat_interleave(starts, lengths, output_size=total)
+    return (torch.arange(total, device=cu_seqlens.device) - first + seq_offset)[None, :]
+
+
+def _check(name, tensors, cos, sin, layout, rotary_dim, position_ids, cu_seqlens, seq_offset):
+    """Validate; returns (seq_dim, rotary_dim)."""
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"{name}: layout must be 'bshd' or 'bhsd', got {layout!r}")
+    if cu_seqlens is not None and layout != "bshd":
+        raise ValueError(f"{name}: packed sequences (cu_seqlens) are (total_tokens, heads, head_dim): layout 'bshd'")
+    ndim = 3 if cu_seqlens is not None else 4
+    for label, t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim or not t.dtype.is_floating_point:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {label} must be a floating point tensor of {ndim} dims "
+                             f"({'total_tokens, heads, head_dim' if ndim == 3 else layout}), got {got}")
+        if t.device != cos.device or t.device != sin.device:
+            raise ValueError(f"{name}: {label} is on {t.device}, cos on {cos.device}, sin on {sin.device}: "
+                             "expected one device")
+    seq_dim = 1 if layout == "bshd" else 2
+    (first_label, first), *others = tensors
+    head_dim = first.shape[-1]
+    for label, t in others:
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"{name}: {label} has head_dim {t.shape[-1]}, {first_label} has {head_dim}: "
+                             "expected the same")
+        if t.shape[0] != first.shape[0] or (ndim == 4 and t.shape[seq_dim] != first.shape[seq_dim]):
+            raise ValueError(f"{name}: {label} and {first_label} differ in batch or sequence length: "
+                             f"{tuple(t.shape)} and {tuple(first.shape)}")
+    if not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor) or cos.shape != sin.shape \
+            or cos.dim() not in (2, 3) or not cos.dtype.is_floating_point or cos.dtype != sin.dtype:
+        raise ValueError(f"{name}: cos and sin must be floating point tensors of one shape and dtype, "
+                         "(positions, width) or (batch, seq, width)")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(f"{name}: cos and sin get no gradient here; pass them without requires_grad")
+    width = cos.shape[-1]
+    rotary_dim = width if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
+        raise ValueError(f"{name}: rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+    if width not in (rotary_dim, rotary_dim // 2):
+        raise ValueError(f"{name}: cos/sin width {width} fits neither rotary_dim {rotary_dim} (a column per "
+                         f"feature) nor rotary_dim / 2 = {rotary_dim // 2} (a column per pair)")
+    seq_len = first.shape[0] if ndim == 3 else first.shape[seq_dim]
+    batch = 1 if ndim == 3 else first.shape[0]
+    if cos.dim() == 3:
+        if position_ids is not None or cu_seqlens is not None or seq_offset:
+            raise ValueError(f"{name}: per-token cos/sin (batch, seq, width) take no position_ids, cu_seqlens "
+                             "or seq_offset")
+        if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+            raise ValueError(f"{name}: per-token cos/sin must be ({batch} or 1, {seq_len}, width), "
+                             f"got {tuple(cos.shape)}")
+    elif position_ids is None and cu_seqlens is None and seq_len + seq_offset > cos.shape[0]:
+        raise ValueError(f"{name}: cos/sin have {cos.shape[0]} positions, too short for positions "
+                         f"{seq_offset}..{seq_offset + seq_len - 1}")
+    if position_ids is not None:
+        if position_ids.shape != (batch, seq_len) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"{name}: position_ids must be integers of shape ({batch}, {seq_len}), got "
+                             f"{tuple(position_ids.shape)} {position_ids.dtype}")
+    return seq_dim, rotary_dim
+
+
+def _check_positions(name, positions, rows):
+    """Eager only: positions past the table raise (one host synchronisation)."""
+    if positions.numel() and bool(((positions < 0) | (positions >= rows)).any()):
+        raise ValueError(f"{name}: positions reach {int(positions.max())} (min {int(positions.min())}), but "
+                         f"cos/sin have {rows} positions")
+
+
+def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bshd", rotary_dim=None,
+                 interleaved=False, cu_seqlens=None, inplace=False):
+    """Rotary embeddings on q and k: q * cos + rotate(q) * sin, as Hugging Face Llama-style
+    models apply them; returns (q_out, k_out).
+
+    - q, k: (batch, seq, heads, head_dim) (layout="bshd") or (batch, heads, seq, head_dim)
+      ("bhsd"), any strides but unit feature stride, their own head counts (GQA); packed
+      variable-length batches: (total_tokens, heads, head_dim) with `cu_seqlens` (int,
+      (num_seqs + 1,), as flash-attention), positions restarting at each sequence.
+    - cos, sin: (positions, width) tables, rows picked by `position_ids` (batch, seq) or by
+      seq_offset + the index in the sequence (decoding); or per-token (batch or 1, seq, width).
+      width = rotary_dim (a column per feature, Hugging Face) or rotary_dim / 2 (a column per
+      pair, flash-attention); rotary_dim defaults to width; features past it pass through.
+    - interleaved: pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim / 2) (GPT-NeoX).
+    - inplace: rotate q and k in their own storage (eager; under torch.compile out of place).
+    Backward through autograd (the transpose rotation); cos and sin get no gradient.
+    Positions past the table: eager raises (position_ids and cu_seqlens are read on the host
+    for that); under torch.compile or CUDA-graph capture those tokens come out NaN.
+    """
+    return _apply("pintail.apply_rotary", (("q", q), ("k", k)), cos, sin, position_ids, seq_offset, layout,
+                  rotary_dim, interleaved, cu_seqlens, inplace)
+
+
+def rotary(x, cos, sin, *, position_ids=None, seq_offset=0, layout="bshd", rotary_dim=None, interleaved=False,
+           cu_seqlens=None, inplace=False):
+    """apply_rotary for a single tensor."""
+    return _apply("pintail.rotary", (("x", x),), cos, sin, position_ids, seq_offset, layout, rotary_dim,
+                  interleaved, cu_seqlens, inplace)[0]
+
+
+def _apply(name, tensors, cos, sin, position_ids, seq_offset, layout, rotary_dim, interleaved, cu_seqlens, inplace):
+    seq_dim, rotary_dim = _check(name, tensors, cos, sin, layout, rotary_dim, position_ids, cu_seqlens, seq_offset)
+    positions = position_ids
+    if cu_seqlens is not None:
+        positions = _positions_from(cu_seqlens, tensors[0][1].shape[0], seq_offset)
+    tracing = torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing())
+    if positions is not None and not tracing:
+        _check_positions(name, positions, cos.shape[0])
+    outputs = []
+    for _, t in tensors:
+        x = t.unsqueeze(0) if cu_seqlens is not None else t
+        if torch.compiler.is_compiling():
+            out = _rotary_op(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
+        else:
+            out = _Rotary.apply(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace)
+        outputs.append(out.squeeze(0) if cu_seqlens is not None else out)
+    return tuple(outputs)
