@@ -24,29 +24,57 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _matrix(M, N, dtype, device):
+    return (torch.randn(M, N, device=device, dtype=dtype),), ()
+
+
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000)]   # the last is past the on-chip limit
+
+
 @dataclass
 class Op:
-    """One op as the bench sees it. Its functions take (x, *extras): x[M, N] the tensor the
-    bytes are counted on (and the gradient taken for), extras made by `extras(x)` (e.g.
-    targets). `directions` maps each direction the op is timed in to the fewest bytes it
-    must move per element of x, in units of x's element size:
-      fwd: the forward; bwd: the backward of a saved forward, torch.autograd.grad(y, x, dy);
-      fwd+bwd: forward and backward of a scalar loss as one step, torch.autograd.grad(loss, x)."""
+    """One op as the bench sees it. `make(M, N, dtype, device)` gives (differentiable inputs,
+    other inputs); the functions take both, in that order. Bytes are counted on the
+    differentiable inputs: `directions` maps each direction the op is timed in to the fewest
+    bytes it must move per element of them, in units of their element size:
+      fwd: the forward; bwd: the backward of a saved forward, torch.autograd.grad(outputs,
+      inputs, random gradients); fwd+bwd: forward and backward of a scalar loss as one step."""
     pintail: Callable
     torch: Callable
     directions: dict
-    sizes: tuple                             # default row lengths N
+    sizes: tuple                             # default sizes N (row length; sequence length for rotary)
     rows: Callable = None                    # N -> M (default: --elements // N)
-    extras: Callable = lambda x: ()
+    make: Callable = _matrix
     unchecked: Callable = None               # pintail without its input checks (a 4th provider)
+    check_sizes: list = None                 # (M, N) for the CPU check (default CHECK_SIZES)
+
+
+def _hf_rotary(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (Llama), the eager and compile baseline."""
+    def rotate_half(x):
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((-second, first), dim=-1)
+    cos, sin = cos[None, None].to(q.dtype), sin[None, None].to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _ops():
     import pintail
     norm_sizes = (1024, 4096, 8192, 32768, 131072, 262144)
 
-    def class_targets(x):
-        return (torch.randint(0, x.shape[1], (x.shape[0],), device=x.device),)
+    def class_targets(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype),), (torch.randint(0, N, (M,), device=device),)
+
+    def attention_heads(M, N, dtype, device):
+        """BENCHMARKS.md: q (8, 32, seq, 128), k (8, 8, seq, 128), (batch, heads, seq, dim); seq = N;
+        M caps the batch (small in the CPU check)."""
+        batch = min(M, 8)
+        q = torch.randn(batch, 32, N, 128, device=device, dtype=dtype)
+        k = torch.randn(batch, 8, N, 128, device=device, dtype=dtype)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device=device).float() / 128)
+        freqs = torch.outer(torch.arange(N, device=device).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], -1)
+        return (q, k), (emb.cos(), emb.sin())
 
     return {
         "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1),
@@ -56,19 +84,22 @@ def _ops():
         # BENCHMARKS.md: M = 4096 rows; 128256 and 151936 are real vocabularies (Llama 3, Qwen 2)
         "cross_entropy": Op(pintail.cross_entropy, torch.nn.functional.cross_entropy,
                             {"fwd": 1, "fwd+bwd": 3}, (32768, 128256, 131072, 151936, 262144),
-                            rows=lambda N: 4096, extras=class_targets,
+                            rows=lambda N: 4096, make=class_targets,
                             unchecked=lambda x, t: pintail.cross_entropy(x, t, check_target=False)),
+        "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
+                     {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
+                     check_sizes=[(1, 3), (2, 17)]),
     }
 
 
-DEFAULT_OPS = ["softmax", "cross_entropy"]
+DEFAULT_OPS = ["softmax", "cross_entropy", "rotary"]
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy); default: "
+                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, rotary); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
@@ -107,16 +138,21 @@ def _copy_bandwidth():
     return 2 * 2**30 * 2 / (ms * 1e-3)
 
 
-def _step(fn, direction, x, extras):
+def _outputs(y):
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _step(fn, direction, inputs, others):
     """A zero-argument function that runs one timed step of `direction` (see Op)."""
     if direction == "fwd":
-        return lambda: fn(x, *extras)
-    x.requires_grad_(True)
+        return lambda: fn(*inputs, *others)
+    for t in inputs:
+        t.requires_grad_(True)
     if direction == "fwd+bwd":
-        return lambda: torch.autograd.grad(fn(x, *extras), (x,))
-    y = fn(x, *extras)
-    dy = torch.randn_like(y)
-    return lambda: torch.autograd.grad(y, (x,), dy, retain_graph=True)
+        return lambda: torch.autograd.grad(fn(*inputs, *others), inputs)
+    outputs = _outputs(fn(*inputs, *others))
+    grads = [torch.randn_like(y) for y in outputs]
+    return lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
 
 
 def benchmark(args):
@@ -140,19 +176,19 @@ def benchmark(args):
     for i, (name, direction, N) in enumerate(plan, 1):
         op = ops[name]
         M = op.rows(N) if op.rows else max(1, args.elements // N)
-        nbytes = M * N * elem * op.directions[direction]
         for provider in providers + (["pintail_unchecked"] if op.unchecked and "pintail" in providers else []):
             torch._dynamo.reset()  # dynamic=False: one graph per shape, no recompile limit
             fn = {"pintail": op.pintail, "pintail_unchecked": op.unchecked, "eager": op.torch,
                   "compile": torch.compile(op.torch, dynamic=False)}[provider]
-            x = torch.randn(M, N, device="cuda", dtype=dtype)
-            ms = _time_ms(_step(fn, direction, x, op.extras(x)))
+            inputs, others = op.make(M, N, dtype, "cuda")
+            nbytes = sum(t.numel() for t in inputs) * elem * op.directions[direction]
+            ms = _time_ms(_step(fn, direction, inputs, others))
             tbps = nbytes / (ms * 1e-3) / 1e12
             results.append({"op": name, "direction": direction, "M": M, "N": N, "provider": provider,
                             "ms": ms, "tbps": tbps, "fraction_of_copy": tbps * 1e12 / copy_bw})
             print(f"[{i}/{len(plan)}] {name} {direction} M={M} N={N} {provider}: {ms:.4f} ms, "
                   f"{tbps:.2f} TB/s, {tbps * 1e12 / copy_bw:.2f} of copy", flush=True)
-            del x
+            del inputs, others
         torch.cuda.empty_cache()
 
     table = _table(results, list(dict.fromkeys(r["provider"] for r in results)))
@@ -218,7 +254,6 @@ def _plot(results, copy_bw, path):
 # ------------------------------------------------------------------------------- CPU
 
 
-CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000)]   # the last is past the on-chip limit
 # relative error allowed, or twice torch's own error in the same dtype if that is larger
 CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -244,24 +279,21 @@ def check_in_interpreter(args):
     rows, failures = [], 0
     for name, op in _selected_ops(args, "all").items():
         for dtype in CHECK_TOLERANCE:
-            for M, N in CHECK_SIZES:
-                x = (torch.randn(M, N) * 3).to(dtype)
-                extras = op.extras(x)
+            for M, N in op.check_sizes or CHECK_SIZES:
+                inputs, others = op.make(M, N, dtype, "cpu")
                 t0 = time.time()
                 try:
-                    xk = x.clone().requires_grad_()
-                    y = op.pintail(xk, *extras)
-                    dy = torch.randn_like(y)
-                    (dx,) = torch.autograd.grad(y, xk, dy)
-                    x64 = x.double().requires_grad_()
-                    y64 = op.torch(x64, *extras)
-                    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-                    xt = x.clone().requires_grad_()  # torch in the same dtype: the second bar
-                    yt = op.torch(xt, *extras)
-                    (dxt,) = torch.autograd.grad(yt, xt, dy)
-                    errs = (_relative_error(y, y64), _relative_error(dx, dx64))
-                    bars = [max(CHECK_TOLERANCE[dtype], 2 * _relative_error(t, t64))
-                            for t, t64 in ((yt, y64), (dxt, dx64))]
+                    def run(fn, cast):  # outputs and input gradients, inputs cast first
+                        xs = tuple(cast(t).detach().requires_grad_() for t in inputs)
+                        ys = _outputs(fn(*xs, *others))
+                        return ys, torch.autograd.grad(ys, xs, [cast(g) for g in dys])
+                    dys = [torch.randn_like(y) for y in _outputs(op.torch(*inputs, *others))]
+                    ours = run(op.pintail, lambda t: t)
+                    truth = run(op.torch, lambda t: t.double())
+                    same = run(op.torch, lambda t: t)  # torch in the same dtype: the second bar
+                    errs = [max(_relative_error(a, b) for a, b in zip(o, t)) for o, t in zip(ours, truth)]
+                    bars = [max(CHECK_TOLERANCE[dtype], 2 * max(_relative_error(a, b) for a, b in zip(s_, t)))
+                            for s_, t in zip(same, truth)]
                     ok = errs[0] <= bars[0] and errs[1] <= bars[1]
                     detail = f"{errs[0]:.1e} / {errs[1]:.1e} (bar {bars[0]:.0e} / {bars[1]:.0e})"
                 except Exception as e:  # a crash is a failure to report, not to hide
