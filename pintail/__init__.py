@@ -2,8 +2,9 @@
 
 from . import nn
 from .cross_entropy import cross_entropy
+from .norm import layer_norm, rms_norm
 from .rotary import apply_rotary, rotary
 from .softmax import log_softmax, softmax
 
-__all__ = ["apply_rotary", "cross_entropy", "log_softmax", "nn", "rotary", "softmax"]
+__all__ = ["apply_rotary", "cross_entropy", "layer_norm", "log_softmax", "nn", "rms_norm", "rotary", "softmax"]
 __version__ = "0.1.0"

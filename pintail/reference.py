@@ -81,3 +81,35 @@ def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved,
     v = xs[..., :rotary_dim].to(compute)
     out = v * c - turn(v * s) if backward else v * c + turn(v) * s
     return torch.cat([out.to(x.dtype), xs[..., rotary_dim:]], -1).movedim(1, seq_dim)
+
+
+def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+    """(y, h, mean, rstd) of pintail/norm.py in torch, for rows x[M, N]."""
+    h = x + residual if residual is not None else x[:0]
+    v = (h if residual is not None else x).to(torch.promote_types(x.dtype, torch.float32))
+    mean = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device) if rms else v.mean(1)
+    centred = v - mean[:, None]
+    rstd = torch.rsqrt(centred.square().mean(1) + eps)
+    y = centred * rstd[:, None]
+    if weight is not None:
+        y = y * (weight.to(v.dtype) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(v.dtype)
+    return y.to(out_dtype), h, mean, rstd
+
+
+def norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype):
+    """(dx, dweight, dbias) of norm_forward, x being the normalised input (h with a residual)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x_hat = (x.to(compute) - mean[:, None]) * rstd[:, None]
+    dy = dy.to(compute)
+    g = dy * (weight.to(compute) + weight_offset) if weight is not None else dy
+    dx = g - x_hat * (g * x_hat).mean(1, keepdim=True)
+    if not rms:
+        dx = dx - g.mean(1, keepdim=True)
+    dx = dx * rstd[:, None]
+    if dh is not None:
+        dx = dx + dh.to(compute)
+    dw = (dy * x_hat).sum(0) if weight is not None else None
+    db = dy.sum(0) if has_bias else None
+    return dx.to(x_dtype), dw, db

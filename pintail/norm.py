@@ -1,0 +1,370 @@
+"""rms_norm and layer_norm: Triton kernels, autograd, torch.library registration.
+
+Per row of N features (RMS: mean = 0), with w_eff = weight + weight_offset:
+    rstd = 1 / sqrt(mean((x - mean)^2) + eps),  x^ = (x - mean) * rstd,  y = x^ * w_eff + bias
+Backward, with g = dy * w_eff:
+    dx = rstd * (g - x^ * mean(g x^))                (RMS)
+    dx = rstd * (g - mean(g) - x^ * mean(g x^))      (LayerNorm)
+    dweight = sum over rows of dy * x^,  dbias = sum over rows of dy
+A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
+gradient reaching h from downstream adds to dx (and is also the residual's gradient).
+
+Kernels: the forward runs a program per row in two passes over the row (statistics, then
+the output; a row that fits in one chunk is re-read from L1/L2, not HBM). The backward runs
+on a grid of (row blocks x column chunks): each program walks its rows, writes dx for its
+chunk and keeps the chunk's dweight / dbias in registers, written once as a partial per row
+block and summed by torch (deterministic: no atomics). When a row spans several chunks, the
+per-row sums mean(g x^), mean(g) come from a first small kernel.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._launch import KERNEL_DTYPES, program_slots, runs_kernels
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N,
+                    x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                    RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    # pass 1: statistics (and h = x + residual, written once)
+    total = 0.0
+    total_sq = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
+            x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            h = x.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
+            x = h.to(tl.float32)
+        total += tl.sum(x, axis=0)
+        total_sq += tl.sum(x * x, axis=0)
+    if RMS:
+        mean = 0.0
+        var = total_sq / N
+    else:
+        mean = total / N
+        var = tl.maximum(total_sq / N - mean * mean, 0.0)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    # pass 2: the output
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_RESIDUAL:  # h as stored, so that forward and backward see the same rounding
+            x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, x_row_stride, dy_row_stride,
+                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
+    row = tl.program_id(0).to(tl.int64)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    sum_gx = 0.0
+    sum_g = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_WEIGHT)
+        x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
+        sum_gx += tl.sum(g * x_hat, axis=0)
+        sum_g += tl.sum(g, axis=0)
+    tl.store(sums_ptr + 2 * row, sum_gx / N)
+    tl.store(sums_ptr + 2 * row + 1, sum_g / N)
+
+
+@triton.jit
+def _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_WEIGHT: tl.constexpr):
+    g = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    return g
+
+
+@triton.jit
+def _backward_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
+                     M, N, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
+                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row block, column chunk): dx of the chunk for each row of the block, and the
+    # chunk's dweight / dbias summed over the block.
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    first = block * rows_per_program
+    for i in range(0, rows_per_program):
+        row = (first + i).to(tl.int64)
+        if row < M:
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
+            dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy * w_eff if HAS_WEIGHT else dy
+            if ONE_CHUNK:
+                mean_gx = tl.sum(g * x_hat, axis=0) / N
+                mean_g = tl.sum(g, axis=0) / N
+            else:
+                mean_gx = tl.load(sums_ptr + 2 * row)
+                mean_g = tl.load(sums_ptr + 2 * row + 1)
+            if RMS:
+                dx = rstd * (g - x_hat * mean_gx)
+            else:
+                dx = rstd * (g - mean_g - x_hat * mean_gx)
+            if HAS_DH:
+                dx += tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + block.to(tl.int64) * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + block.to(tl.int64) * N + cols, db, mask=mask)
+
+
+# ------------------------------------------------------------------ launch heuristics
+# A first cut, not yet measured on the H200 (docs/perf-notes.md): chunks of up to 8192
+# features; the backward's row blocks sized so that about 4 programs run per SM.
+MAX_BLOCK = 8192
+FORWARD_WARPS = 8
+BACKWARD_WARPS = 8
+BACKWARD_PROGRAMS_PER_SM = 4
+
+
+def _block(N, max_block):
+    return min(max_block, triton.next_power_of_2(max(N, 1)))
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+             bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool, out_dtype: torch.dtype,
+             max_block: int = MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual)."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
+        return reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+    M, N = x.shape
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    h = torch.empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device) \
+        if residual is not None else y[:0]
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    if M and N:
+        _forward_kernel[(M,)](
+            x, residual if residual is not None else x, h, weight if weight is not None else x,
+            bias if bias is not None else x, y, mean, rstd, N, x.stride(0),
+            residual.stride(0) if residual is not None else 0, h.stride(0) if residual is not None else 0,
+            y.stride(0), eps, weight_offset, RMS=rms, HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=_block(N, max_block),
+            num_warps=FORWARD_WARPS)
+    return y, h, mean, rstd
+
+
+def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
+              has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float, rms: bool,
+              x_dtype: torch.dtype, max_block: int = MAX_BLOCK
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias) for rows: x[M, N] is the normalised input (h with a residual)."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and dy.dtype in KERNEL_DTYPES):
+        return reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
+    M, N = x.shape
+    dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
+    block = _block(N, max_block)
+    chunks = triton.cdiv(N, block)
+    row_blocks = max(1, min(M, program_slots(x.device, BACKWARD_PROGRAMS_PER_SM) // chunks))
+    rows_per_program = triton.cdiv(max(M, 1), row_blocks)
+    dw = torch.empty(row_blocks, N, dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty(row_blocks, N, dtype=torch.float32, device=x.device) if has_bias else None
+    if not (M and N):
+        return dx, (dw.zero_().sum(0) if dw is not None else None), (db.zero_().sum(0) if db is not None else None)
+    sums = mean  # any pointer: read only when a row spans several chunks
+    if chunks > 1:
+        sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
+        _row_sums_kernel[(M,)](x, weight if weight is not None else x, dy, mean, rstd, sums, N, x.stride(0),
+                               dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
+                               BLOCK=block, num_warps=BACKWARD_WARPS)
+    _backward_kernel[(row_blocks, chunks)](
+        x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd, sums, dx,
+        dw if dw is not None else mean, db if db is not None else mean, M, N, rows_per_program,
+        x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset,
+        RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
+        ONE_CHUNK=chunks == 1, BLOCK=block, num_warps=BACKWARD_WARPS)
+    return dx, (dw.sum(0) if dw is not None else None), (db.sum(0) if db is not None else None)
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# Eager calls take a plain autograd.Function (host time, as for softmax); torch.compile
+# reaches the same functions as custom ops (absent gradients as empty tensors there).
+
+
+def _grads(dy, dh, saved, meta):
+    normalised, weight, mean, rstd = saved
+    has_bias, weight_offset, rms = meta
+    if dy is None:  # only h was used downstream
+        dy = torch.zeros_like(normalised)
+    return _backward(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms, normalised.dtype)
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+        y, h, mean, rstd = _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+        ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+        ctx.meta = (bias is not None, weight_offset, rms)
+        ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None,
+                      bias.dtype if bias is not None else None)
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        dx, dw, db = _grads(dy, dh, ctx.saved_tensors, ctx.meta)
+        x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+        weight = ctx.saved_tensors[1]
+        return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
+                dw.to(weight.dtype) if dw is not None else None, db.to(bias_dtype) if db is not None else None,
+                None, None, None, None)
+
+
+_forward_op = torch.library.custom_op("pintail::norm_forward", _forward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, max_block=MAX_BLOCK):
+    M, N = x.shape
+    h = x.new_empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None \
+        else x.new_empty(0, N, dtype=out_dtype)
+    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(M, dtype=torch.float32),
+            x.new_empty(M, dtype=torch.float32))
+
+
+def _backward_for_op(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
+                     has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float,
+                     rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x.dtype)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return dx, dw if dw is not None else empty, db if db is not None else empty
+
+
+_backward_op = torch.library.custom_op("pintail::norm_backward", _backward_for_op, mutates_args=())
+
+
+@_backward_op.register_fake
+def _(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms):
+    N = x.shape[1]
+    return (torch.empty_like(x), x.new_empty(N if weight is not None else 0, dtype=torch.float32),
+            x.new_empty(N if has_bias else 0, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, _, weight_offset, rms, _ = inputs[:8]
+    _, h, mean, rstd = output
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    ctx.meta = (bias is not None, weight_offset, rms)
+    ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None, bias.dtype if bias is not None else None)
+
+
+def _backward_of_op(ctx, dy, dh, _mean, _rstd):
+    normalised, weight, mean, rstd = ctx.saved_tensors
+    has_bias, weight_offset, rms = ctx.meta
+    if dy is None:
+        dy = torch.zeros_like(normalised)
+    dx, dw, db = _backward_op(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms)
+    x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+    return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
+            dw.to(weight.dtype) if weight is not None else None, db.to(bias_dtype) if has_bias else None,
+            None, None, None, None, None)
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weight_offset, rms, out_dtype):
+    if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
+        raise TypeError(f"{name}: input must be a floating point tensor, got "
+                        f"{input.dtype if isinstance(input, torch.Tensor) else type(input).__name__}")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(input.shape[input.dim() - len(shape):]) != shape or len(shape) > input.dim():
+        raise ValueError(f"{name}: normalized_shape={list(shape)} must be the trailing dims of input, "
+                         f"got input of shape {list(input.shape)}")
+    for label, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: {label} must have shape normalized_shape={list(shape)}, got {list(t.shape)}")
+            if t.device != input.device or not t.dtype.is_floating_point:
+                raise ValueError(f"{name}: {label} must be a floating point tensor on {input.device}, got "
+                                 f"{t.dtype} on {t.device}")
+    if residual is not None and (residual.shape != input.shape or residual.device != input.device
+                                 or not residual.dtype.is_floating_point):
+        raise ValueError(f"{name}: residual must be a floating point tensor of input's shape {list(input.shape)} "
+                         f"on {input.device}, got {list(residual.shape)} {residual.dtype} on {residual.device}")
+    if eps < 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    N = 1
+    for d in shape:
+        N *= d
+    x = input.reshape(-1, N)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    r = None
+    if residual is not None:
+        r = residual.reshape(-1, N)
+        r = r if r.stride(-1) == 1 else r.contiguous()
+    w = weight.reshape(N).contiguous() if weight is not None else None
+    b = bias.reshape(N).contiguous() if bias is not None else None
+    out_dtype = out_dtype or input.dtype
+    if torch.compiler.is_compiling():
+        y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
+    else:
+        y, h = _Norm.apply(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
+    y = y.reshape(input.shape)
+    return (y, h.reshape(input.shape)) if residual is not None else y
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, bias=None, weight_offset=0.0,
+             out_dtype=None):
+    """torch.nn.functional.rms_norm(input, normalized_shape, weight, eps), with Triton kernels.
+
+    eps=None means torch.finfo(input.dtype).eps, as in torch. Keyword-only extras:
+    residual (returns (y, input + residual): the pre-norm block's normalised output and its new
+    residual stream), bias (added after the weight), weight_offset (y = x^ * (offset + weight),
+    Gemma), out_dtype (y's dtype; default the input's).
+    """
+    eps = torch.finfo(input.dtype).eps if eps is None and isinstance(input, torch.Tensor) \
+        and input.dtype.is_floating_point else (eps if eps is not None else 0.0)
+    return _normalise("pintail.rms_norm", input, normalized_shape, weight, bias, residual, eps, weight_offset,
+                      True, out_dtype)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.layer_norm, with Triton kernels."""
+    return _normalise("pintail.layer_norm", input, normalized_shape, weight, bias, None, eps, 0.0, False, None)
