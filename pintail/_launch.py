@@ -42,6 +42,12 @@ def canonical_dim(dim: int, ndim: int) -> int:
     return dim % rank
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim has unit stride, else a contiguous copy (e.g. of an
+    expanded gradient, whose strides are 0)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """`t` seen as an (M, N) matrix whose rows run along `dim` with unit stride.
 
@@ -52,9 +58,7 @@ def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     moved = t.movedim(dim, -1)
     if moved.dim() == 0:
         moved = moved.reshape(1)
-    if moved.stride(-1) != 1:
-        moved = moved.contiguous()
-    return moved.reshape(-1, moved.shape[-1])
+    return unit_stride(moved).reshape(-1, moved.shape[-1])
 
 
 def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -76,7 +76,32 @@ def _ops():
         emb = torch.cat([freqs, freqs], -1)
         return (q, k), (emb.cos(), emb.sin())
 
+    def rows_and_weight(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)), ()
+
+    def residual_rows_and_weight(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype),
+                torch.randn(N, device=device, dtype=dtype)), ()
+
+    def torch_rms_norm_residual(x, residual, w):
+        h = x + residual
+        return F.rms_norm(h, (h.shape[-1],), w), h
+
+    F = torch.nn.functional
     return {
+        # bytes per element of x: read x, write y (fwd); read x, dy, write dx (bwd); the
+        # weight's N elements are not counted (small vectors ignored, BENCHMARKS.md)
+        "rms_norm": Op(lambda x, w: pintail.rms_norm(x, (x.shape[-1],), w),
+                       lambda x, w: F.rms_norm(x, (x.shape[-1],), w), {"fwd": 2, "bwd": 3}, norm_sizes,
+                       make=rows_and_weight),
+        "layer_norm": Op(lambda x, w: pintail.layer_norm(x, (x.shape[-1],), w, w),
+                         lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w), {"fwd": 2, "bwd": 3}, norm_sizes,
+                         make=rows_and_weight),
+        # per element of x and of the residual: read both, write y and h (fwd); read h, dy, dh,
+        # write dx (bwd; the residual's gradient is the same tensor)
+        "rms_norm_residual": Op(lambda x, r, w: pintail.rms_norm(x, (x.shape[-1],), w, residual=r),
+                                torch_rms_norm_residual, {"fwd": 2, "bwd": 2}, norm_sizes,
+                                make=residual_rows_and_weight),
         "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1),
                       {"fwd": 2, "bwd": 3}, norm_sizes),
         "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1),
@@ -92,14 +117,15 @@ def _ops():
     }
 
 
-DEFAULT_OPS = ["softmax", "cross_entropy", "rotary"]
+DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary"]
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, rotary); default: "
+                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, rms_norm, layer_norm, "
+                        "rms_norm_residual, rotary); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
@@ -259,7 +285,9 @@ CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def _relative_error(a, b):
-    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+    """|a - b| / |b|, with |b| at least 1e-3 per element's root: a truth that cancels to about
+    zero (an RMS norm's input gradient at N = 1) leaves rounding, not a relative error."""
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-3 * b.numel() ** 0.5)).item()
 
 
 def check_in_interpreter(args):

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, runs_kernels
+from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -497,11 +497,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
     batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
     x = input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(-1, C)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_stride(x)
     if prob_target:
         t = target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(-1, C)
-        t = t if t.stride(-1) == 1 else t.contiguous()
+        t = unit_stride(t)
     else:
         t = target.reshape(-1)
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -3,6 +3,7 @@
 import torch
 
 from .cross_entropy import cross_entropy
+from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
 
@@ -32,3 +33,17 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm running pintail.rms_norm (same constructor, same state dict)."""
+
+    def forward(self, input):
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm running pintail.layer_norm (same constructor, same state dict)."""
+
+    def forward(self, input):
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

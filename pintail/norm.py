@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, program_slots, runs_kernels
+from ._launch import KERNEL_DTYPES, program_slots, runs_kernels, unit_stride
 
 
 # ----------------------------------------------------------------------------- forward
@@ -172,8 +172,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         return reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
     M, N = x.shape
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    h = torch.empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device) \
-        if residual is not None else y[:0]
+    h = torch.empty(M if residual is not None else 0, N, device=x.device,
+                    dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     if M and N:
@@ -204,6 +204,10 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     db = torch.empty(row_blocks, N, dtype=torch.float32, device=x.device) if has_bias else None
     if not (M and N):
         return dx, (dw.zero_().sum(0) if dw is not None else None), (db.zero_().sum(0) if db is not None else None)
+    for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
+        if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
+            raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
+                             f"expected ({M}, {N}) rows with unit feature stride")
     sums = mean  # any pointer: read only when a row spans several chunks
     if chunks > 1:
         sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
@@ -224,12 +228,13 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
 # reaches the same functions as custom ops (absent gradients as empty tensors there).
 
 
-def _grads(dy, dh, saved, meta):
-    normalised, weight, mean, rstd = saved
-    has_bias, weight_offset, rms = meta
+def _incoming(dy, dh, normalised, has_residual):
+    """The gradients reaching y and h, as rows with unit feature stride (autograd hands out
+    expanded ones, e.g. of y.sum(), whose strides are 0); h exists only with a residual."""
     if dy is None:  # only h was used downstream
         dy = torch.zeros_like(normalised)
-    return _backward(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms, normalised.dtype)
+    dh = dh if has_residual else None
+    return unit_stride(dy), (unit_stride(dh) if dh is not None else None)
 
 
 class _Norm(torch.autograd.Function):
@@ -245,9 +250,11 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
-        dx, dw, db = _grads(dy, dh, ctx.saved_tensors, ctx.meta)
+        normalised, weight, mean, rstd = ctx.saved_tensors
         x_dtype, residual_dtype, bias_dtype = ctx.dtypes
-        weight = ctx.saved_tensors[1]
+        dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
+        dx, dw, db = _backward(dy, dh, normalised, weight, bias_dtype is not None, mean, rstd, *ctx.meta[1:],
+                               normalised.dtype)
         return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
                 dw.to(weight.dtype) if dw is not None else None, db.to(bias_dtype) if db is not None else None,
                 None, None, None, None)
@@ -294,10 +301,9 @@ def _setup_context(ctx, inputs, output):
 def _backward_of_op(ctx, dy, dh, _mean, _rstd):
     normalised, weight, mean, rstd = ctx.saved_tensors
     has_bias, weight_offset, rms = ctx.meta
-    if dy is None:
-        dy = torch.zeros_like(normalised)
-    dx, dw, db = _backward_op(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms)
     x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+    dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
+    dx, dw, db = _backward_op(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms)
     return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
             dw.to(weight.dtype) if weight is not None else None, db.to(bias_dtype) if has_bias else None,
             None, None, None, None, None)
@@ -334,14 +340,15 @@ def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weigh
     for d in shape:
         N *= d
     x = input.reshape(-1, N)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = unit_stride(x)
     r = None
     if residual is not None:
         r = residual.reshape(-1, N)
-        r = r if r.stride(-1) == 1 else r.contiguous()
+        r = unit_stride(r)
     w = weight.reshape(N).contiguous() if weight is not None else None
     b = bias.reshape(N).contiguous() if bias is not None else None
-    out_dtype = out_dtype or input.dtype
+    # y in the dtype of what is normalised: x, or x + residual as torch promotes it
+    out_dtype = out_dtype or (torch.promote_types(input.dtype, residual.dtype) if residual is not None else input.dtype)
     if torch.compiler.is_compiling():
         y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
     else:
@@ -354,13 +361,15 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, b
              out_dtype=None):
     """torch.nn.functional.rms_norm(input, normalized_shape, weight, eps), with Triton kernels.
 
-    eps=None means torch.finfo(input.dtype).eps, as in torch. Keyword-only extras:
+    eps=None means what torch means: the epsilon of float32 for fp16 / bf16 / fp32 inputs
+    (the type it computes in). Keyword-only extras:
     residual (returns (y, input + residual): the pre-norm block's normalised output and its new
     residual stream), bias (added after the weight), weight_offset (y = x^ * (offset + weight),
     Gemma), out_dtype (y's dtype; default the input's).
     """
-    eps = torch.finfo(input.dtype).eps if eps is None and isinstance(input, torch.Tensor) \
-        and input.dtype.is_floating_point else (eps if eps is not None else 0.0)
+    if eps is None:  # torch: the machine epsilon of the type it computes in (float32 for fp16 / bf16)
+        dtype = input.dtype if isinstance(input, torch.Tensor) and input.dtype.is_floating_point else torch.float32
+        eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
     return _normalise("pintail.rms_norm", input, normalized_shape, weight, bias, residual, eps, weight_offset,
                       True, out_dtype)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, runs_kernels
+from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     """The rotation of x (or its transpose) into a new tensor of x's layout."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES):
         return reference.rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = unit_stride(x)
     out = torch.empty_like(x)
     _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
     return out
@@ -160,7 +160,7 @@ _rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=()
 
 @_rotary_op.register_fake
 def _(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
-    return torch.empty_like(x if x.stride(-1) == 1 else x.contiguous())
+    return torch.empty_like(unit_stride(x))
 
 
 def _setup_context(ctx, inputs, output):

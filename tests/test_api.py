@@ -106,3 +106,28 @@ def test_past_2_to_the_31_elements(device):
         (dx_same_dtype,) = torch.autograd.grad(same_dtype, row, dy[r])
         assert_matches(y[r], truth, same_dtype)
         assert_matches(dx[r], dx_truth, dx_same_dtype)
+
+
+def test_expanded_gradients(device):
+    """loss = out.sum() hands the backward an expanded gradient (strides 0): every op must
+    read it as the values it stands for, never past its one element."""
+    x = torch.randn(6, 50, device=device, requires_grad=True)
+    w = torch.randn(50, device=device, requires_grad=True)
+    t = torch.randint(0, 50, (6,), device=device)
+    cos, sin = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
+    q = torch.randn(2, 7, 3, 16, device=device, requires_grad=True)
+    cases = [
+        (lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1), x),
+        (lambda x: pintail.rms_norm(x, (50,), w), lambda x: torch.nn.functional.rms_norm(x, (50,), w), x),
+        (lambda x: pintail.layer_norm(x, (50,), w, w), lambda x: torch.nn.functional.layer_norm(x, (50,), w, w), x),
+        (lambda x: pintail.cross_entropy(x, t, reduction="none"),
+         lambda x: torch.nn.functional.cross_entropy(x, t, reduction="none"), x),
+        (lambda q: pintail.rotary(q, cos, sin), None, q),
+    ]
+    for ours, theirs, leaf in cases:
+        (grad,) = torch.autograd.grad(ours(leaf).sum(), leaf)
+        (grad_full,) = torch.autograd.grad(ours(leaf), leaf, torch.ones_like(ours(leaf)).contiguous())
+        assert torch.allclose(grad, grad_full, rtol=1e-6, atol=1e-6)
+        if theirs is not None:
+            (grad_torch,) = torch.autograd.grad(theirs(leaf).sum(), leaf)
+            assert torch.allclose(grad, grad_torch, rtol=1e-4, atol=1e-5)

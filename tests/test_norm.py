@@ -1,0 +1,218 @@
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pintail
+from helpers import DTYPES, assert_matches
+
+norm_module = importlib.import_module("pintail.norm")
+MULTI_CHUNK = norm_module.MAX_BLOCK + 809  # rows longer than one chunk
+
+
+def torch_norm(kind, x, shape, weight=None, bias=None, eps=None, residual=None, weight_offset=0.0):
+    """The reference composed from torch: (y, h) with h = x + residual (or None)."""
+    h = x + residual if residual is not None else None
+    v = h if h is not None else x
+    if kind == "rms":
+        w = weight + weight_offset if weight is not None else None
+        y = F.rms_norm(v, shape, w, eps)
+        y = y + bias if bias is not None else y
+    else:
+        y = F.layer_norm(v, shape, weight, bias, 1e-5 if eps is None else eps)
+    return y, h
+
+
+def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0.0, out_dtype=None, eps=None):
+    """Output(s) and every gradient against float64 torch and torch in the input dtype."""
+    leaves = [t for t in (x, weight, bias, residual) if t is not None]
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    it = iter(leaves)
+    ours_in = [next(it) if t is not None else None for t in (x, weight, bias, residual)]
+    if kind == "rms":
+        out = pintail.rms_norm(ours_in[0], shape, ours_in[1], eps, residual=ours_in[3], bias=ours_in[2],
+                               weight_offset=weight_offset, out_dtype=out_dtype)
+    else:
+        out = pintail.layer_norm(ours_in[0], shape, ours_in[1], ours_in[2], 1e-5 if eps is None else eps)
+    y, h = out if residual is not None else (out, None)
+    normalised_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    assert y.dtype == (out_dtype or normalised_dtype) and y.shape == x.shape
+
+    def run(cast):
+        ins = [cast(t).detach().requires_grad_() if t is not None else None for t in (x, weight, bias, residual)]
+        ty, th = torch_norm(kind, ins[0], shape, ins[1], ins[2], eps if eps is not None or kind == "rms" else None,
+                            ins[3], weight_offset)
+        return ins, ty, th
+
+    ins64, y64, h64 = run(lambda t: t.double())
+    ins_same, y_same, h_same = run(lambda t: t)
+    assert_matches(y, y64, y_same.to(y.dtype), unit=1.0)
+    outs = [(y, y64, y_same)] + ([(h, h64, h_same)] if h is not None else [])
+    grads_out = [torch.randn_like(o[0], dtype=torch.float32) for o in outs]
+    ours = torch.autograd.grad([o[0] for o in outs], [t for t in ours_in if t is not None],
+                               [g.to(o[0].dtype) for g, o in zip(grads_out, outs)])
+    truth = torch.autograd.grad([o[1] for o in outs], [t for t in ins64 if t is not None],
+                                [g.double() for g in grads_out])
+    same = torch.autograd.grad([o[2] for o in outs], [t for t in ins_same if t is not None],
+                               [g.to(o[2].dtype) for g, o in zip(grads_out, outs)])
+    for g, g64, g_same, leaf in zip(ours, truth, same, [t for t in ours_in if t is not None]):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape
+        assert_matches(g, g64, g_same, unit=1.0)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1, 7, 1000, 4097, MULTI_CHUNK])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias", "fp32 weight"])
+def test_rows(kind, dtype, N, affine, device):
+    if kind == "rms" and affine == "weight+bias":
+        affine = "weight"  # bias is an rms_norm extra, tested below
+    x = torch.randn(3, 2, N, device=device).to(dtype) * 2 + 0.5
+    w_dtype = torch.float32 if affine == "fp32 weight" else dtype
+    weight = torch.randn(N, device=device).to(w_dtype) if affine != "none" else None
+    bias = torch.randn(N, device=device).to(dtype) if affine == "weight+bias" else None
+    check(kind, x, (N,), weight, bias)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_several_normalized_dims_and_layouts(kind, device):
+    base = torch.randn(6, 5, 4, 9, device=device)
+    weight = torch.randn(4, 9, device=device)
+    check(kind, base, (4, 9), weight)
+    check(kind, base.transpose(0, 1), (4, 9), weight)  # copied to rows
+    check(kind, base[::2], (9,), weight[0])            # strided rows, no copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [33, MULTI_CHUNK])
+def test_rms_norm_extras(dtype, N, device):
+    x = torch.randn(4, N, device=device).to(dtype)
+    residual = torch.randn(4, N, device=device).to(dtype)
+    weight = torch.randn(N, device=device).to(dtype)
+    bias = torch.randn(N, device=device).to(dtype)
+    check("rms", x, (N,), weight, residual=residual)
+    check("rms", x, (N,), weight, bias=bias, weight_offset=1.0)
+    check("rms", x, (N,), weight, bias=bias, residual=residual, weight_offset=1.0, eps=1e-6)
+    check("rms", x, (N,), weight, out_dtype=torch.float32)
+
+
+def test_residual_in_float32(device):
+    """A bf16 block output added to a float32 residual stream: h in float32, as torch promotes,
+    and y in h's dtype, as torch's rms_norm(x + residual) gives."""
+    x = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(5, 64, device=device)
+    y, h = pintail.rms_norm(x, (64,), residual=residual)
+    assert h.dtype == torch.float32 and y.dtype == torch.float32
+    check("rms", x, (64,), torch.randn(64, device=device), residual=residual)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_many_chunks_per_row(kind, device):
+    """Small chunks, so that tiny rows span many: the row-sum kernel and the chunked grid."""
+    M, N = 13, 300
+    x, w, b = torch.randn(M, N, device=device), torch.randn(N, device=device), torch.randn(N, device=device)
+    rms = kind == "rms"
+    y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, rms, torch.float32, max_block=64)
+    dy = torch.randn(M, N, device=device)
+    grads = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, rms, torch.float32, max_block=64)
+    leaves = [t.double().requires_grad_() for t in (x, w, b)]
+    y64, _ = torch_norm(kind, leaves[0], (N,), leaves[1], leaves[2], eps=1e-5)
+    assert_matches(y, y64, y64.float(), unit=1.0)
+    for g, g64 in zip(grads, torch.autograd.grad(y64, leaves, dy.double())):
+        assert_matches(g, g64, g64.float(), unit=1.0)
+
+
+def test_weight_gradient_is_deterministic(device):
+    x = torch.randn(300, 96, device=device, requires_grad=True)
+    w = torch.randn(96, device=device, requires_grad=True)
+    dy = torch.randn(300, 96, device=device)
+    first = torch.autograd.grad(pintail.rms_norm(x, (96,), w), w, dy)[0]
+    second = torch.autograd.grad(pintail.rms_norm(x, (96,), w), w, dy)[0]
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_empty(kind, device):
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    y = pintail.rms_norm(x, (16,), w) if kind == "rms" else pintail.layer_norm(x, (16,), w)
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    assert y.shape == (0, 16) and gx.shape == (0, 16) and torch.equal(gw, torch.zeros_like(gw))
+
+
+def test_eps_default_is_torchs(device):
+    x = torch.randn(4, 32, device=device, dtype=torch.bfloat16) * 1e-3
+    assert_matches(pintail.rms_norm(x, (32,)), F.rms_norm(x.double(), (32,), eps=torch.finfo(torch.bfloat16).eps),
+                   F.rms_norm(x, (32,)), unit=1.0)
+
+
+def test_modules_drop_in(device):
+    for ours_cls, theirs_cls, kwargs in ((pintail.nn.RMSNorm, torch.nn.RMSNorm, {"eps": 1e-6}),
+                                         (pintail.nn.LayerNorm, torch.nn.LayerNorm, {"bias": True})):
+        theirs = theirs_cls((3, 20), device=device, **kwargs)
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.normal_()
+        ours = ours_cls((3, 20), device=device, **kwargs)
+        ours.load_state_dict(theirs.state_dict())
+        assert isinstance(ours, theirs_cls)
+        x = torch.randn(5, 3, 20, device=device)
+        assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input(device):
+    x = torch.randn(4, 8, device=device)
+    cases = [
+        (lambda: pintail.rms_norm(x, (7,)), ValueError, r"normalized_shape=\[7\] must be the trailing dims"),
+        (lambda: pintail.layer_norm(x, (2, 8, 1)), ValueError, "must be the trailing dims"),
+        (lambda: pintail.rms_norm(x, (8,), torch.ones(7, device=device)), ValueError, r"weight must have shape"),
+        (lambda: pintail.layer_norm(x, (8,), None, torch.ones(9, device=device)), ValueError, "bias must have shape"),
+        (lambda: pintail.rms_norm(x, (8,), residual=torch.ones(4, 7, device=device)), ValueError,
+         "residual must be a floating point tensor of input's shape"),
+        (lambda: pintail.rms_norm(x, (8,), eps=-1.0), ValueError, "eps must be >= 0, got -1.0"),
+        (lambda: pintail.layer_norm(x.long(), (8,)), TypeError, "input must be a floating point tensor"),
+    ]
+    if device.type == "cuda":
+        cases.append((lambda: pintail.rms_norm(x, (8,), torch.ones(8)), ValueError, "weight must be a floating"))
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_compile_fullgraph_and_opcheck(device):
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    r = torch.randn(6, 40, device=device, requires_grad=True)
+    w = torch.randn(40, device=device, requires_grad=True)
+    b = torch.randn(40, device=device, requires_grad=True)
+
+    def f(x, r, w, b):
+        y, h = pintail.rms_norm(x * 2.0, (40,), w, residual=r, weight_offset=1.0)
+        return (y * h).sum() + pintail.layer_norm(y, (40,), w, b).square().sum()
+
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    loss = torch.compile(f, fullgraph=True, backend=backend)(x, r, w, b)
+    grads = torch.autograd.grad(loss, (x, r, w, b))
+    grads_eager = torch.autograd.grad(f(x, r, w, b), (x, r, w, b))
+    for g, ge in zip(grads, grads_eager):
+        assert torch.allclose(g, ge, rtol=1e-4, atol=1e-4)
+    args = (x.detach().requires_grad_(), r.detach().requires_grad_(), w.detach().requires_grad_(),
+            b.detach().requires_grad_(), 1e-5, 0.5, True, torch.float32)
+    torch.library.opcheck(torch.ops.pintail.norm_forward.default, args)
+
+
+def test_past_2_to_the_31_elements(device):
+    if device.type != "cuda":
+        pytest.skip("needs 8.6 GB of GPU memory")
+    M, N = 8200, 262144
+    x = torch.randn(M, N, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = pintail.rms_norm(x, (N,), w)
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    for r in (0, 4096, M - 1):
+        row = x[r:r + 1].detach()
+        ref = F.rms_norm(row.double(), (N,), w.detach().double())
+        assert_matches(y[r:r + 1], ref, F.rms_norm(row, (N,), w.detach()), unit=1.0)
+    dw_ref = (dy.float() * F.rms_norm(x.detach().float(), (N,))).sum(0)
+    assert_matches(dw, dw_ref.double(), dw_ref.to(dw.dtype), unit=1.0)
