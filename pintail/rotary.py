@@ -28,7 +28,7 @@ from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, D, seq_offset, table_rows,
                    x_stride_b, x_stride_s, x_stride_h, out_stride_b, out_stride_s, out_stride_h,
                    table_stride_b, table_stride_row, pos_stride_b, pos_stride_s,
-                   PAIRS: tl.constexpr, X_STEP: tl.constexpr, X_SECOND: tl.constexpr,
+                   PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
                    TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
                    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
@@ -52,24 +52,32 @@ def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, D, seq_offse
     c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
     s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
     s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
-    first = pair * X_STEP
-    second = first + X_SECOND
+    feats = tl.arange(0, 2 * BLOCK_P)  # interleaved: the pairs side by side, one contiguous load
     rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)
     for h0 in range(0, H, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
-        mask = (heads < H)[:, None] & pair_mask[None, :]
         x_head = x_ptr + b * x_stride_b + s * x_stride_s + heads[:, None].to(tl.int64) * x_stride_h
         o_head = out_ptr + b * out_stride_b + s * out_stride_s + heads[:, None].to(tl.int64) * out_stride_h
-        a = tl.load(x_head + first[None, :], mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(x_head + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:  # features (2i, 2i + 1): split in registers, not two stride-2 loads
+            mask = (heads < H)[:, None] & (feats < 2 * PAIRS)[None, :]
+            both = tl.load(x_head + feats[None, :], mask=mask, other=0.0).to(tl.float32)
+            a, z = tl.split(tl.reshape(both, (BLOCK_H, BLOCK_P, 2)))
+        else:  # features (i, i + PAIRS): two contiguous halves
+            mask = (heads < H)[:, None] & pair_mask[None, :]
+            a = tl.load(x_head + pair[None, :], mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(x_head + PAIRS + pair[None, :], mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
             new_a = a * c1[None, :] + z * s2[None, :]
             new_z = z * c2[None, :] - a * s1[None, :]
         else:
             new_a = a * c1[None, :] - z * s1[None, :]
             new_z = z * c2[None, :] + a * s2[None, :]
-        tl.store(o_head + first[None, :], new_a.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_head + second[None, :], new_z.to(out_ptr.dtype.element_ty), mask=mask)
+        if INTERLEAVED:
+            both = tl.reshape(tl.join(new_a, new_z), (BLOCK_H, 2 * BLOCK_P))
+            tl.store(o_head + feats[None, :], both.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(o_head + pair[None, :], new_a.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_head + PAIRS + pair[None, :], new_z.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY_REST:  # features past rotary_dim pass through
             rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
             tl.store(o_head + rest[None, :], tl.load(x_head + rest[None, :], mask=rest_mask), mask=rest_mask)
@@ -100,7 +108,7 @@ def _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interl
         *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim),
         cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
         positions.stride(0) if positions is not None else 0, positions.stride(1) if positions is not None else 0,
-        PAIRS=pairs, X_STEP=2 if interleaved else 1, X_SECOND=1 if interleaved else pairs,
+        PAIRS=pairs, INTERLEAVED=interleaved,
         TABLE_STEP=2 if (interleaved and full_table) else 1,
         TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
         HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),

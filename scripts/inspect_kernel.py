@@ -1,4 +1,4 @@
-"""Compile a pintail kernel for sm_90 on a machine without a GPU (Triton ships ptxas) and
+"""Compile pintail's kernels for sm_90 on a machine without a GPU (Triton ships ptxas) and
 print registers, spills and the global memory instructions: catches compile errors and
 unvectorised loads before a GPU call. Integer arguments and pointers are taken as
 divisible by 16, as Triton specialises them at launch when they are.
@@ -17,12 +17,15 @@ from triton.compiler import ASTSource
 
 sm = importlib.import_module("pintail.softmax")
 ce = importlib.import_module("pintail.cross_entropy")
+norm = importlib.import_module("pintail.norm")
+rot = importlib.import_module("pintail.rotary")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
-                 if t != "constexpr" and t != "fp32" and name not in ("SLICES", "LAG", "ignore_index")}
+                 if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
+                                                                   "rows_per_program")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     path = "/tmp/pintail_inspect.cubin"
@@ -61,6 +64,37 @@ def main():
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, ce_fwd, {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
         inspect(ce._backward_kernel, ce_bwd, {**options, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
+    norm_fwd = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "N": "i32", "x_row_stride": "i32",
+                "residual_row_stride": "i32", "h_row_stride": "i32", "y_row_stride": "i32", "eps": "fp32",
+                "weight_offset": "fp32", "RMS": "constexpr", "HAS_RESIDUAL": "constexpr", "HAS_WEIGHT": "constexpr",
+                "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+    norm_bwd = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dh_ptr": "*bf16", "mean_ptr": "*fp32",
+                "rstd_ptr": "*fp32", "sums_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32",
+                "M": "i32", "N": "i32", "rows_per_program": "i32", "x_row_stride": "i32", "dy_row_stride": "i32",
+                "dh_row_stride": "i32", "dx_row_stride": "i32", "weight_offset": "fp32", "RMS": "constexpr",
+                "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr", "HAS_DH": "constexpr", "ONE_CHUNK": "constexpr",
+                "BLOCK": "constexpr"}
+    for rms in (True, False):
+        inspect(norm._forward_kernel, norm_fwd, {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True,
+                                                 "HAS_BIAS": not rms, "BLOCK": norm.MAX_BLOCK}, norm.FORWARD_WARPS)
+        for one_chunk in (True, False):
+            inspect(norm._backward_kernel, norm_bwd, {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms,
+                                                      "HAS_DH": rms, "ONE_CHUNK": one_chunk,
+                                                      "BLOCK": norm.MAX_BLOCK}, norm.BACKWARD_WARPS)
+    rot_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+               "S": "i32", "H": "i32", "D": "i32", "seq_offset": "i32", "table_rows": "i32", "x_stride_b": "i32",
+               "x_stride_s": "i32", "x_stride_h": "i32", "out_stride_b": "i32", "out_stride_s": "i32",
+               "out_stride_h": "i32", "table_stride_b": "i32", "table_stride_row": "i32", "pos_stride_b": "i32",
+               "pos_stride_s": "i32", "PAIRS": "constexpr", "INTERLEAVED": "constexpr",
+               "TABLE_STEP": "constexpr", "TABLE_SECOND": "constexpr", "HAS_POS": "constexpr",
+               "BACKWARD": "constexpr", "COPY_REST": "constexpr", "BLOCK_H": "constexpr", "BLOCK_P": "constexpr",
+               "BLOCK_REST": "constexpr"}
+    for interleaved in (False, True):
+        inspect(rot._rotary_kernel, rot_sig, {"PAIRS": 64, "INTERLEAVED": interleaved, "TABLE_STEP": 1,
+                                              "TABLE_SECOND": 64 if not interleaved else 1, "HAS_POS": interleaved,
+                                              "BACKWARD": interleaved, "COPY_REST": interleaved, "BLOCK_H": 32,
+                                              "BLOCK_P": 64, "BLOCK_REST": 64}, 4)
 
 
 if __name__ == "__main__":
