@@ -6,7 +6,9 @@ reduction (none, sum, mean over kept rows or their weights) is a few torch ops o
 numbers, so autograd hands the backward kernel the gradient of each row's loss.
 
 Class-index targets, per row with target t, class weights w (all 1 without weights),
-W = sum(w), smoothing e, V classes, logp = x - lse:
+W = sum(w), smoothing e, V classes, logp = x - lse, lse = m + log(sum_j exp(x_j - m)) with m
+the row's max (kept as the pair (m, log-sum) per row: x - m is exact where x is near m, so
+losses and probabilities stay accurate for logits of 1e4, as torch's log_softmax):
     loss = (1 - e) * w_t * (lse - x_t) + (e / V) * (W * lse - sum_j w_j x_j) + z * lse^2
     dloss/dx_k = p_k * ((1 - e) w_t + (e / V) W + 2 z lse) - (1 - e) w_t [k == t] - (e / V) w_k
 Probability targets y, smoothed y' = (1 - e) y + e / V, B = sum_j w_j y'_j:
@@ -70,28 +72,42 @@ def _online_lse_step(x, running_max, running_sum):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, lse_ptr, V, x_row_stride,
+def _shifted_sum_step(total, seen, old_max, new_max, v, x):
+    """Fold a chunk into a running sum of v * (x - max), the terms so far shifted by
+    (old - new) when the max moves, and into the running sum of v (`seen`)."""
+    old = tl.where(old_max == -float("inf"), 0.0, old_max)
+    new = tl.where(new_max == -float("inf"), 0.0, new_max)
+    total = total + seen * (old - new) + tl.sum(tl.where(v != 0.0, v * (x - new), 0.0), axis=0)
+    return total, seen + tl.sum(v, axis=0)
+
+
+@triton.jit
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride,
                     ignore_index, smoothing, z_scale, softcap,
                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
                     BLOCK: tl.constexpr):
-    # One row: its log-sum-exp in one pass (and, for smoothing, sum_j w_j x_j), then the loss.
+    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
+    # W = sum_j w_j), then the loss.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     running_max = -float("inf")
     running_sum = 0.0
     weighted_x = 0.0
+    weight_total = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = _logits(x_row, cols, mask, softcap, SOFTCAP)
-        running_max, running_sum = _online_lse_step(x, running_max, running_sum)
+        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                weighted_x += tl.sum(tl.where(mask, x * w, 0.0), axis=0)
             else:
-                weighted_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    lse = running_max + tl.log2(running_sum) * LN2
+                w = mask.to(tl.float32)
+            weighted_x, weight_total = _shifted_sum_step(weighted_x, weight_total, running_max, new_max, w, x)
+        running_max = new_max
+    log_sum = tl.log2(running_sum) * LN2
+    lse = running_max + log_sum
 
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
@@ -103,20 +119,22 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, l
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     else:
         w_t = 1.0
-    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_scale * lse * lse
-    if SMOOTH:
-        loss += smoothing / V * (_weight_total(weight_total_ptr, V, HAS_WEIGHT) * lse - weighted_x)
+    loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
+    if SMOOTH:  # W * lse - sum_j w_j x_j
+        loss += smoothing / V * (weight_total * log_sum - weighted_x)
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
     tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+    tl.store(stats_ptr + 2 * row, running_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
 
 
 @triton.jit
-def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, lse_ptr, mass_ptr, V, x_row_stride, y_row_stride,
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
                           smoothing, z_scale, softcap,
                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
-    # Probability targets: one pass for lse, A = sum_j w_j y'_j x_j and B = sum_j w_j y'_j.
+    # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
+    # B = sum_j w_j y'_j; loss = B * log-sum - A.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     y_row = y_ptr + row * y_row_stride
@@ -128,16 +146,19 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, lse_ptr, mass_ptr,
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = _logits(x_row, cols, mask, softcap, SOFTCAP)
-        running_max, running_sum = _online_lse_step(x, running_max, running_sum)
+        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
         if HAS_WEIGHT:
             y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        target_x += tl.sum(tl.where(y != 0.0, y * x, 0.0), axis=0)  # y = 0 drops x = -inf, as torch's 0 * -inf does not
-        mass += tl.sum(y, axis=0)
-    lse = running_max + tl.log2(running_sum) * LN2
-    tl.store(loss_ptr + row, mass * lse - target_x + z_scale * lse * lse)
-    tl.store(lse_ptr + row, lse)
+        # y = 0 drops x = -inf (torch's 0 * -inf would give NaN)
+        target_x, mass = _shifted_sum_step(target_x, mass, running_max, new_max, y, x)
+        running_max = new_max
+    log_sum = tl.log2(running_sum) * LN2
+    lse = running_max + log_sum
+    tl.store(loss_ptr + row, mass * log_sum - target_x + z_scale * lse * lse)
+    tl.store(stats_ptr + 2 * row, running_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)
 
 
@@ -145,7 +166,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, lse_ptr, mass_ptr,
 
 
 @triton.jit
-def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, lse_ptr, grad_ptr, V, x_row_stride,
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, V, x_row_stride,
                      dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -156,7 +177,9 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, ls
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
-    lse = tl.load(lse_ptr + row)
+    row_max = tl.load(stats_ptr + 2 * row)
+    log_sum = tl.load(stats_ptr + 2 * row + 1)
+    lse = row_max + log_sum
     g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
     if HAS_WEIGHT:
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
@@ -166,7 +189,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, ls
     if SOFTCAP:
         capped = _softcapped(x, softcap)
         x = capped
-    p = tl.exp2((x - lse) * LOG2E)
+    p = tl.exp2(((x - row_max) - log_sum) * LOG2E)
     coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * lse
     if SMOOTH:
         coef += smoothing / V * _weight_total(weight_total_ptr, V, HAS_WEIGHT)
@@ -185,13 +208,14 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, ls
 
 
 @triton.jit
-def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, lse_ptr, mass_ptr, grad_ptr, V, x_row_stride,
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, V, x_row_stride,
                            y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
                            HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
-    lse = tl.load(lse_ptr + row)
+    row_max = tl.load(stats_ptr + 2 * row)
+    log_sum = tl.load(stats_ptr + 2 * row + 1)
     mass = tl.load(mass_ptr + row)
     g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -202,7 +226,7 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, lse_ptr, mass_ptr, 
     y = (1.0 - smoothing) * y + smoothing / V
     if HAS_WEIGHT:
         y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    d = tl.exp2((x - lse) * LOG2E) * (mass + 2.0 * z_scale * lse) - y
+    d = tl.exp2(((x - row_max) - log_sum) * LOG2E) * (mass + 2.0 * z_scale * (row_max + log_sum)) - y
     if SOFTCAP:
         tanh = capped / softcap
         d *= 1.0 - tanh * tanh
@@ -231,49 +255,50 @@ def _weight_total_of(weight, placeholder):
 def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
              smoothing: float, z_scale: float, softcap: float, prob_target: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss, lse and (probability targets) target mass B, all float32, of x[M, V]."""
+    """Per-row loss, (max, log-sum) pair and (probability targets) target mass B, all
+    float32, of x[M, V]: lse = max + log-sum."""
     M, V = x.shape
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
         return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
     loss = torch.empty(M, dtype=torch.float32, device=x.device)
-    lse = torch.empty_like(loss)
+    stats = torch.empty(M, 2, dtype=torch.float32, device=x.device)
     mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=x.device)
     if M == 0:
-        return loss, lse, mass
+        return loss, stats, mass
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
                   num_warps=FORWARD_WARPS)
     if prob_target:
-        _forward_probs_kernel[(M,)](x, target, w, loss, lse, mass, V, x.stride(0), target.stride(0),
+        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                                     smoothing, z_scale, softcap, **common)
     else:
-        _forward_kernel[(M,)](x, target, w, _weight_total_of(weight, loss), loss, lse, V, x.stride(0),
+        _forward_kernel[(M,)](x, target, w, loss, stats, V, x.stride(0),
                               ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
-    return loss, lse, mass
+    return loss, stats, mass
 
 
 def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-              lse: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
+              stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
               softcap: float, prob_target: bool, inplace: bool) -> torch.Tensor:
     """dloss/dx[M, V] from the gradient of each row's loss."""
     M, V = x.shape
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
-        return reference.cross_entropy_rows_backward(grad, x, target, weight, lse, ignore_index, smoothing,
+        return reference.cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing,
                                                      z_scale, softcap, prob_target)
     dx = x if inplace else torch.empty_like(x)
     if M == 0 or V == 0:
         return dx
     has_weight = weight is not None
-    w = weight if has_weight else lse
+    w = weight if has_weight else stats
     block = _block(V, BACKWARD_BLOCK)
     grid = (M, triton.cdiv(V, block))
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=block, num_warps=BACKWARD_WARPS)
     if prob_target:
-        _backward_probs_kernel[grid](dx, x, target, w, lse, mass, grad, V, x.stride(0), target.stride(0),
+        _backward_probs_kernel[grid](dx, x, target, w, stats, mass, grad, V, x.stride(0), target.stride(0),
                                      dx.stride(0), grad.stride(0), smoothing, z_scale, softcap, **common)
     else:
-        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, lse), lse, grad, V, x.stride(0),
+        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, stats), stats, grad, V, x.stride(0),
                                dx.stride(0), grad.stride(0), ignore_index, smoothing, z_scale, softcap,
                                SMOOTH=smoothing > 0, **common)
     return dx
@@ -284,13 +309,13 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
 # of microseconds of host time); torch.compile reaches the same functions as custom ops.
 
 
-def _target_grad(grad, x, weight, lse, smoothing, softcap):
-    """dloss/dy for probability targets: -(1 - e) * w * (x' - lse) per row, in torch (an
+def _target_grad(grad, x, weight, stats, smoothing, softcap):
+    """dloss/dy for probability targets: -(1 - e) * w * (x' - stats) per row, in torch (an
     (M, V) temporary, made only when the targets require a gradient)."""
     x = x.float()
     if softcap > 0:
         x = softcap * torch.tanh(x / softcap)
-    d = (lse[:, None] - x) * (1 - smoothing)
+    d = ((stats[:, :1] - x) + stats[:, 1:]) * (1 - smoothing)
     if weight is not None:
         d = d * weight.float()
     return d * grad.float()[:, None]
@@ -331,21 +356,21 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, weight, options, reduce, inplace):
-        rows, lse, mass = _forward(x, target, weight, *options)
-        ctx.save_for_backward(x, target, weight, lse, mass)
+        rows, stats, mass = _forward(x, target, weight, *options)
+        ctx.save_for_backward(x, target, weight, stats, mass)
         ctx.options, ctx.reduce, ctx.inplace = options, reduce, inplace
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)
-        return reduce(rows).to(x.dtype), lse
+        return reduce(rows).to(x.dtype), stats
 
     @staticmethod
     def backward(ctx, grad, _):
-        x, target, weight, lse, mass = ctx.saved_tensors
+        x, target, weight, stats, mass = ctx.saved_tensors
         grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
-        dx = _backward(grad_rows, x, target, weight, lse, mass, *ctx.options, ctx.inplace)
+        dx = _backward(grad_rows, x, target, weight, stats, mass, *ctx.options, ctx.inplace)
         dtarget = None
         if ctx.needs_input_grad[1]:
-            dtarget = _target_grad(grad_rows, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
+            dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
         return dx, dtarget, None, None, None, None
 
 
@@ -355,14 +380,14 @@ _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward
 @_forward_op.register_fake
 def _(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
     M = x.shape[0]
-    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32),
-            x.new_empty(M if prob_target else 0, dtype=torch.float32))
+    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, 2, dtype=torch.float32),
+            x.new_empty(M if prob_target else 0, dtype=torch.float32))  # loss, (max, log-sum), mass
 
 
 def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                         lse: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float,
+                         stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float,
                          z_scale: float, softcap: float, prob_target: bool) -> torch.Tensor:
-    return _backward(grad, x, target, weight, lse, mass, ignore_index, smoothing, z_scale, softcap,
+    return _backward(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap,
                      prob_target, inplace=False)
 
 
@@ -370,35 +395,35 @@ _backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backw
 
 
 @_backward_op.register_fake
-def _(grad, x, target, weight, lse, mass, ignore_index, smoothing, z_scale, softcap, prob_target):
+def _(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap, prob_target):
     return torch.empty_like(x)
 
 
 def _setup_context(ctx, inputs, output):
     x, target, weight, *options = inputs
-    _, lse, mass = output
-    ctx.save_for_backward(x, target, weight, lse, mass)
+    _, stats, mass = output
+    ctx.save_for_backward(x, target, weight, stats, mass)
     ctx.options = tuple(options)
 
 
-def _backward_of_op(ctx, grad, _lse, _mass):
-    x, target, weight, lse, mass = ctx.saved_tensors
-    dx = _backward_op(grad, x, target, weight, lse, mass, *ctx.options)
+def _backward_of_op(ctx, grad, _stats, _mass):
+    x, target, weight, stats, mass = ctx.saved_tensors
+    dx = _backward_op(grad, x, target, weight, stats, mass, *ctx.options)
     dtarget = None
     if ctx.needs_input_grad[1]:
-        dtarget = _target_grad(grad, x, weight, lse, ctx.options[1], ctx.options[3]).to(target.dtype)
+        dtarget = _target_grad(grad, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
     return dx, dtarget, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
-def _loss_and_lse(x, target, weight, options, reduce, inplace):
-    """(the reduced loss in x's dtype, lse per row). Under torch.compile through the custom
+def _loss_and_stats(x, target, weight, options, reduce, inplace):
+    """(the reduced loss in x's dtype, (max, log-sum) per row). Under torch.compile through the custom
     ops, with the reduction as traced torch ops (and the gradient never written in place)."""
     if torch.compiler.is_compiling():
-        rows, lse, _ = _forward_op(x, target, weight, *options)
-        return reduce(rows).to(x.dtype), lse
+        rows, stats, _ = _forward_op(x, target, weight, *options)
+        return reduce(rows).to(x.dtype), stats
     return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
 
 
@@ -508,11 +533,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
-    loss, lse = _loss_and_lse(x, t, weight, options, reduce, inplace_backward)
+    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward)
     outputs = [loss]
+    lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:
         kept = torch.ones_like(lse) if prob_target else (t != ignore_index).float()
-        outputs.append(reduce(z_loss * lse.detach() ** 2 * kept).to(input.dtype))
+        outputs.append(reduce(z_loss * lse**2 * kept).to(input.dtype))
     if return_lse:
-        outputs.append(lse.detach().reshape(batch_shape))
+        outputs.append(lse.reshape(batch_shape))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -19,34 +19,35 @@ def softmax_backward(y, dy, dim, log, in_dtype):
 
 
 def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
-    """Per-row (loss, lse, target mass) of logits x[M, V], as pintail's cross-entropy kernels
-    produce them (see pintail/cross_entropy.py for the formulas)."""
+    """Per-row (loss, (max, log-sum) pairs, target mass) of logits x[M, V], as pintail's
+    cross-entropy kernels produce them (see pintail/cross_entropy.py for the formulas)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
     if softcap > 0:
         x = softcap * torch.tanh(x / softcap)
     V = x.shape[1]
-    lse = torch.logsumexp(x, dim=1)
+    row_max = x.max(1).values if V else x.new_zeros(x.shape[0])
+    shifted = x - torch.where(torch.isinf(row_max), 0, row_max)[:, None]
+    log_sum = torch.logsumexp(shifted, dim=1)
+    lse = row_max + log_sum
+    stats = torch.stack([row_max, log_sum], 1)
+    logp = shifted - log_sum[:, None]
     w = weight.to(compute) if weight is not None else torch.ones(V, dtype=compute, device=x.device)
     if prob_target:
         y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
-        mass = y.sum(1)
-        target_x = torch.where(y != 0, y * x, 0).sum(1)
-        return mass * lse - target_x + z_scale * lse**2, lse, mass
+        return -torch.where(y != 0, y * logp, 0).sum(1) + z_scale * lse**2, stats, y.sum(1)
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
     safe = torch.where(in_range & ~ignored, target, 0).long()
-    x_t = x.gather(1, safe[:, None])[:, 0]
-    w_t = w[safe]
-    loss = (1 - smoothing) * w_t * (lse - x_t) + z_scale * lse**2
+    loss = -(1 - smoothing) * w[safe] * logp.gather(1, safe[:, None])[:, 0] + z_scale * lse**2
     if smoothing > 0:
-        loss = loss + smoothing / V * (w.sum() * lse - (x * w).sum(1))
+        loss = loss - smoothing / V * (logp * w).sum(1)
     loss = torch.where(ignored, 0.0, loss)
     loss = torch.where(in_range | ignored, loss, float("nan"))
-    return loss, lse, x.new_empty(0)
+    return loss, stats, x.new_empty(0)
 
 
-def cross_entropy_rows_backward(grad, x, target, weight, lse, ignore_index, smoothing, z_scale, softcap,
+def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_scale, softcap,
                                 prob_target):
     """dloss/dx of cross_entropy_rows, given the gradient of each row's loss."""
     with torch.enable_grad():

@@ -51,12 +51,12 @@ def main():
     for block, warps in ((8192, 4), (8192, 8), (4096, 4)):
         inspect(sm._forward_split_kernel, fwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
         inspect(sm._backward_split_kernel, bwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
-    ce_fwd = {"x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32", "weight_total_ptr": "*fp32",
-              "loss_ptr": "*fp32", "lse_ptr": "*fp32", "V": "i32", "x_row_stride": "i32", "ignore_index": "i32",
+    ce_fwd = {"x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32",
+              "loss_ptr": "*fp32", "stats_ptr": "*fp32", "V": "i32", "x_row_stride": "i32", "ignore_index": "i32",
               "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
               "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
     ce_bwd = {"dx_ptr": "*bf16", "x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32",
-              "weight_total_ptr": "*fp32", "lse_ptr": "*fp32", "grad_ptr": "*fp32", "V": "i32",
+              "weight_total_ptr": "*fp32", "stats_ptr": "*fp32", "grad_ptr": "*fp32", "V": "i32",
               "x_row_stride": "i32", "dx_row_stride": "i32", "grad_stride": "i32", "ignore_index": "i32",
               "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
               "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
