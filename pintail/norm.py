@@ -34,9 +34,11 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # pass 1: statistics (and h = x + residual, written once)
-    total = 0.0
-    total_sq = 0.0
+    # pass 1: statistics (and h = x + residual, written once). LayerNorm's variance comes from
+    # each chunk's own mean and squared deviations, merged chunk by chunk (Chan et al.), not
+    # from E[x^2] - E[x]^2, which cancels when the mean is large against the spread.
+    mean = 0.0
+    m2 = 0.0  # RMS: sum of x^2; LayerNorm: sum of squared deviations from the mean
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
@@ -46,14 +48,17 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
             h = x.to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
             x = h.to(tl.float32)
-        total += tl.sum(x, axis=0)
-        total_sq += tl.sum(x * x, axis=0)
-    if RMS:
-        mean = 0.0
-        var = total_sq / N
-    else:
-        mean = total / N
-        var = tl.maximum(total_sq / N - mean * mean, 0.0)
+        if RMS:
+            m2 += tl.sum(x * x, axis=0)
+        else:
+            seen = start * 1.0
+            count = tl.minimum(N - start, BLOCK) * 1.0
+            chunk_mean = tl.sum(x, axis=0) / count
+            chunk_m2 = tl.sum(tl.where(mask, (x - chunk_mean) * (x - chunk_mean), 0.0), axis=0)
+            delta = chunk_mean - mean
+            mean += delta * count / (seen + count)
+            m2 += chunk_m2 + delta * delta * seen * count / (seen + count)
+    var = m2 / N
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)

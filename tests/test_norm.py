@@ -216,3 +216,10 @@ def test_past_2_to_the_31_elements(device):
         assert_matches(y[r:r + 1], ref, F.rms_norm(row, (N,), w.detach()), unit=1.0)
     dw_ref = (dy.float() * F.rms_norm(x.detach().float(), (N,))).sum(0)
     assert_matches(dw, dw_ref.double(), dw_ref.to(dw.dtype), unit=1.0)
+
+
+@pytest.mark.parametrize("N", [3000, MULTI_CHUNK])
+def test_layer_norm_of_rows_with_a_large_mean(N, device):
+    """Mean 1000, spread 0.1: E[x^2] - E[x]^2 in float32 would lose every digit of the variance."""
+    x = torch.randn(4, N, device=device) * 0.1 + 1000.0
+    check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device))
