@@ -36,8 +36,12 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
     row = tl.program_id(0).to(tl.int64)
     # pass 1: statistics (and h = x + residual, written once). LayerNorm's variance comes from
     # each chunk's own mean and squared deviations, merged chunk by chunk (Chan et al.), not
-    # from E[x^2] - E[x]^2, which cancels when the mean is large against the spread.
-    mean = 0.0
+    # from E[x^2] - E[x]^2, which cancels when the mean is large against the spread; and the
+    # sums run on x - pilot (the row's first value), so that they stay small and exact.
+    pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
+    if HAS_RESIDUAL:
+        pilot += tl.load(residual_ptr + row * residual_row_stride).to(tl.float32)
+    mean = 0.0  # LayerNorm: of x - pilot
     m2 = 0.0  # RMS: sum of x^2; LayerNorm: sum of squared deviations from the mean
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -53,12 +57,15 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
         else:
             seen = start * 1.0
             count = tl.minimum(N - start, BLOCK) * 1.0
-            chunk_mean = tl.sum(x, axis=0) / count
-            chunk_m2 = tl.sum(tl.where(mask, (x - chunk_mean) * (x - chunk_mean), 0.0), axis=0)
+            shifted = tl.where(mask, x - pilot, 0.0)
+            chunk_mean = tl.sum(shifted, axis=0) / count
+            chunk_m2 = tl.sum(tl.where(mask, (shifted - chunk_mean) * (shifted - chunk_mean), 0.0), axis=0)
             delta = chunk_mean - mean
             mean += delta * count / (seen + count)
             m2 += chunk_m2 + delta * delta * seen * count / (seen + count)
     var = m2 / N
+    if not RMS:
+        mean += pilot
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)

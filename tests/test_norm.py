@@ -24,8 +24,10 @@ def torch_norm(kind, x, shape, weight=None, bias=None, eps=None, residual=None, 
     return y, h
 
 
-def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0.0, out_dtype=None, eps=None):
-    """Output(s) and every gradient against float64 torch and torch in the input dtype."""
+def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0.0, out_dtype=None, eps=None,
+          factor=2):
+    """Output(s) and every gradient against float64 torch and torch in the input dtype (our
+    error at most `factor` times torch's, or within the dtype's tolerance)."""
     leaves = [t for t in (x, weight, bias, residual) if t is not None]
     leaves = [t.detach().requires_grad_() for t in leaves]
     it = iter(leaves)
@@ -47,7 +49,7 @@ def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0
 
     ins64, y64, h64 = run(lambda t: t.double())
     ins_same, y_same, h_same = run(lambda t: t)
-    assert_matches(y, y64, y_same.to(y.dtype), unit=1.0)
+    assert_matches(y, y64, y_same.to(y.dtype), unit=1.0, factor=factor)
     outs = [(y, y64, y_same)] + ([(h, h64, h_same)] if h is not None else [])
     grads_out = [torch.randn_like(o[0], dtype=torch.float32) for o in outs]
     ours = torch.autograd.grad([o[0] for o in outs], [t for t in ours_in if t is not None],
@@ -58,7 +60,7 @@ def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0
                                [g.to(o[2].dtype) for g, o in zip(grads_out, outs)])
     for g, g64, g_same, leaf in zip(ours, truth, same, [t for t in ours_in if t is not None]):
         assert g.dtype == leaf.dtype and g.shape == leaf.shape
-        assert_matches(g, g64, g_same, unit=1.0)
+        assert_matches(g, g64, g_same, unit=1.0, factor=factor)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
@@ -220,6 +222,8 @@ def test_past_2_to_the_31_elements(device):
 
 @pytest.mark.parametrize("N", [3000, MULTI_CHUNK])
 def test_layer_norm_of_rows_with_a_large_mean(N, device):
-    """Mean 1000, spread 0.1: E[x^2] - E[x]^2 in float32 would lose every digit of the variance."""
+    """Mean 1000, spread 0.1: E[x^2] - E[x]^2 in float32 would lose every digit of the variance
+    (an error of ~200). Even done right, float32 x - mean keeps only ~3 digits here, and torch's
+    error and ours vary from draw to draw: the bar is 4x torch's error, not 2x."""
     x = torch.randn(4, N, device=device) * 0.1 + 1000.0
-    check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device))
+    check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
