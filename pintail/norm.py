@@ -9,12 +9,17 @@ Backward, with g = dy * w_eff:
 A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
 gradient reaching h from downstream adds to dx (and is also the residual's gradient).
 
-Kernels: the forward runs a program per row in two passes over the row (statistics, then
-the output; a row that fits in one chunk is re-read from L1/L2, not HBM). The backward runs
-on a grid of (row blocks x column chunks): each program walks its rows, writes dx for its
-chunk and keeps the chunk's dweight / dbias in registers, written once as a partial per row
-block and summed by torch (deterministic: no atomics). When a row spans several chunks, the
-per-row sums mean(g x^), mean(g) come from a first small kernel.
+Kernels, two plans by row length N (tables at the end of the kernels):
+- rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
+  the backward is persistent, each program walking a fixed set of row tiles, writing dx
+  and keeping dweight / dbias of its rows in registers, written once as a partial row and
+  summed by torch (deterministic: no atomics, a fixed order).
+- long: a program per row in two passes (statistics, then the output), the second pass
+  re-reading the row; the backward on a grid of (row blocks x column chunks), each program
+  keeping its chunk's dweight / dbias in registers, after a first small kernel has computed
+  each row's sums mean(g x^), mean(g) (x and dy are read twice).
+Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
+and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
 """
 
 import torch
@@ -29,10 +34,54 @@ from ._launch import KERNEL_DTYPES, program_slots, runs_kernels, unit_stride
 
 
 @triton.jit
-def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N,
+def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n,
+                         x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                         RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Persistent: weight and bias loaded once per program (not once per row, which costs as
+    # many L2 bytes as x itself at BLOCK_M = 1), then tiles of BLOCK_M whole rows in
+    # registers: x read once, y written once; the variance from deviations about the mean
+    # (two passes over registers, not over HBM).
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
+            x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+            h = x.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + rows[:, None] * h_row_stride + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        if RMS:
+            centred = x
+        else:
+            mean = tl.sum(x, axis=1) * inv_n
+            centred = tl.where(mask, x - mean[:, None], 0.0)
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_n + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        y = centred * rstd[:, None]
+        if HAS_WEIGHT:
+            y *= w_eff
+        if HAS_BIAS:
+            y += bias
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # One row, two passes: the second re-reads the row, from L2 when the rows in flight fit.
     row = tl.program_id(0).to(tl.int64)
     # pass 1: statistics (and h = x + residual, written once). LayerNorm's variance comes from
     # each chunk's own mean and squared deviations, merged chunk by chunk (Chan et al.), not
@@ -63,11 +112,12 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
             delta = chunk_mean - mean
             mean += delta * count / (seen + count)
             m2 += chunk_m2 + delta * delta * seen * count / (seen + count)
-    var = m2 / N
+    var = m2 * inv_n
     if not RMS:
         mean += pilot
     rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(mean_ptr + row, mean)
+    if not RMS:
+        tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     # pass 2: the output
     for start in range(0, N, BLOCK):
@@ -89,11 +139,67 @@ def _forward_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, r
 
 
 @triton.jit
-def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, x_row_stride, dy_row_stride,
+def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                          x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
+                          RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
+    # order, so dweight / dbias come out the same on every run), writes their dx and keeps
+    # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
+    # The next tile's x and dy are loaded before this tile is computed and stored, so that
+    # a program always has reads in flight (few programs fit on an SM at these registers).
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    tiles = tl.cdiv(M, BLOCK_M)
+    step = tl.num_programs(0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    for tile in range(tl.program_id(0), tiles, step):
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        following = rows + step * BLOCK_M
+        next_mask = (following < M)[:, None] & col_mask[None, :]
+        x_next = tl.load(x_ptr + following[:, None] * x_row_stride + cols[None, :], mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        if RMS:
+            x_hat = x * rstd
+        else:
+            x_hat = tl.where(mask, x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None], 0.0) * rstd
+        g = dy * w_eff if HAS_WEIGHT else dy
+        dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
+        if not RMS:
+            dx -= (tl.sum(g, axis=1) * inv_n)[:, None]
+        dx *= rstd
+        if HAS_DH:
+            dx += tl.load(dh_ptr + rows[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        db += dy
+    part = tl.program_id(0).to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + part, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_n, x_row_stride, dy_row_stride,
                      weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
     row = tl.program_id(0).to(tl.int64)
-    mean = tl.load(mean_ptr + row)
+    mean = 0.0 if RMS else tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
     sum_gx = 0.0
     sum_g = 0.0
@@ -104,8 +210,8 @@ def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, x_ro
         x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
         sum_gx += tl.sum(g * x_hat, axis=0)
         sum_g += tl.sum(g, axis=0)
-    tl.store(sums_ptr + 2 * row, sum_gx / N)
-    tl.store(sums_ptr + 2 * row + 1, sum_g / N)
+    tl.store(sums_ptr + 2 * row, sum_gx * inv_n)
+    tl.store(sums_ptr + 2 * row + 1, sum_g * inv_n)
 
 
 @triton.jit
@@ -117,10 +223,10 @@ def _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_W
 
 
 @triton.jit
-def _backward_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
-                     M, N, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
-                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
+                            M, N, inv_n, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
+                            weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row block, column chunk): dx of the chunk for each row of the block, and the
     # chunk's dweight / dbias summed over the block.
     block = tl.program_id(0)
@@ -134,14 +240,14 @@ def _backward_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr,
     for i in range(0, rows_per_program):
         row = (first + i).to(tl.int64)
         if row < M:
-            mean = tl.load(mean_ptr + row)
+            mean = 0.0 if RMS else tl.load(mean_ptr + row)
             rstd = tl.load(rstd_ptr + row)
             x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
             dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
             g = dy * w_eff if HAS_WEIGHT else dy
             if ONE_CHUNK:
-                mean_gx = tl.sum(g * x_hat, axis=0) / N
-                mean_g = tl.sum(g, axis=0) / N
+                mean_gx = tl.sum(g * x_hat, axis=0) * inv_n
+                mean_g = tl.sum(g, axis=0) * inv_n
             else:
                 mean_gx = tl.load(sums_ptr + 2 * row)
                 mean_g = tl.load(sums_ptr + 2 * row + 1)
@@ -161,16 +267,31 @@ def _backward_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr,
 
 
 # ------------------------------------------------------------------ launch heuristics
-# A first cut, not yet measured on the H200 (docs/perf-notes.md): chunks of up to 8192
-# features; the backward's row blocks sized so that about 4 programs run per SM.
-MAX_BLOCK = 8192
-FORWARD_WARPS = 8
-BACKWARD_WARPS = 8
-BACKWARD_PROGRAMS_PER_SM = 4
+# Rows plans: (row length up to, elements per tile at least, warps[, programs per SM]).
+# Past the last entry a row does not fit in registers and takes the long plan.
+FORWARD_ROWS = [(1024, 2048, 4, 8), (4096, 16384, 8, 2), (8192, 16384, 8, 2), (16384, 16384, 8, 2),
+                (32768, 32768, 32, 1)]
+BACKWARD_ROWS = [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]
+FORWARD_LONG = {"plan": "long", "BLOCK": 8192, "num_warps": 16}
+BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 
 
-def _block(N, max_block):
-    return min(max_block, triton.next_power_of_2(max(N, 1)))
+def forward_config(N):
+    for limit, tile, warps, per_sm in FORWARD_ROWS:
+        if N <= limit:
+            block_n = triton.next_power_of_2(N)
+            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
+                    "PROGRAMS_PER_SM": per_sm}
+    return FORWARD_LONG
+
+
+def backward_config(N):
+    for limit, tile, warps, per_sm in BACKWARD_ROWS:
+        if N <= limit:
+            block_n = triton.next_power_of_2(N)
+            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
+                    "PROGRAMS_PER_SM": per_sm}
+    return BACKWARD_LONG
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -178,60 +299,78 @@ def _block(N, max_block):
 
 def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
              bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool, out_dtype: torch.dtype,
-             max_block: int = MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual)."""
+             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual); mean
+    is empty for RMS."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
         return reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
     M, N = x.shape
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     h = torch.empty(M if residual is not None else 0, N, device=x.device,
                     dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    if M and N:
-        _forward_kernel[(M,)](
-            x, residual if residual is not None else x, h, weight if weight is not None else x,
-            bias if bias is not None else x, y, mean, rstd, N, x.stride(0),
-            residual.stride(0) if residual is not None else 0, h.stride(0) if residual is not None else 0,
-            y.stride(0), eps, weight_offset, RMS=rms, HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=_block(N, max_block),
-            num_warps=FORWARD_WARPS)
+    mean = torch.empty(0 if rms else M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if not (M and N):
+        return y, h, mean, rstd
+    cfg = config or forward_config(N)
+    args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
+            bias if bias is not None else x, y, mean, rstd)
+    strides = (x.stride(0), residual.stride(0) if residual is not None else 0,
+               h.stride(0) if residual is not None else 0, y.stride(0), eps, weight_offset)
+    flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                 num_warps=cfg["num_warps"])
+    if cfg["plan"] == "rows":
+        programs = min(triton.cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"]))
+        _forward_rows_kernel[(programs,)](*args, M, N, 1.0 / N, *strides, **flags, BLOCK_M=cfg["BLOCK_M"],
+                                          BLOCK_N=cfg["BLOCK_N"])
+    else:
+        _forward_long_kernel[(M,)](*args, N, 1.0 / N, *strides, **flags,
+                                   BLOCK=min(cfg["BLOCK"], triton.next_power_of_2(N)))
     return y, h, mean, rstd
 
 
 def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
               has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float, rms: bool,
-              x_dtype: torch.dtype, max_block: int = MAX_BLOCK
+              x_dtype: torch.dtype, config: dict | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx, dweight, dbias) for rows: x[M, N] is the normalised input (h with a residual)."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and dy.dtype in KERNEL_DTYPES):
         return reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
     M, N = x.shape
     dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
-    block = _block(N, max_block)
-    chunks = triton.cdiv(N, block)
-    row_blocks = max(1, min(M, program_slots(x.device, BACKWARD_PROGRAMS_PER_SM) // chunks))
-    rows_per_program = triton.cdiv(max(M, 1), row_blocks)
-    dw = torch.empty(row_blocks, N, dtype=torch.float32, device=x.device) if weight is not None else None
-    db = torch.empty(row_blocks, N, dtype=torch.float32, device=x.device) if has_bias else None
+    cfg = config or backward_config(N)
+    if cfg["plan"] == "rows":
+        block = cfg["BLOCK_N"]
+        parts = max(1, min(triton.cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
+    else:
+        block = min(cfg["BLOCK"], triton.next_power_of_2(max(N, 1)))
+        chunks = triton.cdiv(N, block)
+        parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
+    dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
     if not (M and N):
         return dx, (dw.zero_().sum(0) if dw is not None else None), (db.zero_().sum(0) if db is not None else None)
     for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
         if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
             raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
                              f"expected ({M}, {N}) rows with unit feature stride")
-    sums = mean  # any pointer: read only when a row spans several chunks
-    if chunks > 1:
-        sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
-        _row_sums_kernel[(M,)](x, weight if weight is not None else x, dy, mean, rstd, sums, N, x.stride(0),
-                               dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
-                               BLOCK=block, num_warps=BACKWARD_WARPS)
-    _backward_kernel[(row_blocks, chunks)](
-        x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd, sums, dx,
-        dw if dw is not None else mean, db if db is not None else mean, M, N, rows_per_program,
-        x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset,
-        RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
-        ONE_CHUNK=chunks == 1, BLOCK=block, num_warps=BACKWARD_WARPS)
+    pointers = (x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd)
+    outputs = (dx, dw if dw is not None else mean, db if db is not None else mean)
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
+    flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
+                 num_warps=cfg["num_warps"])
+    if cfg["plan"] == "rows":
+        _backward_rows_kernel[(parts,)](*pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
+                                        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+    else:
+        sums = mean  # any pointer: read only when a row spans several chunks
+        if chunks > 1:
+            sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
+            _row_sums_kernel[(M,)](x, weight if weight is not None else x, dy, mean, rstd, sums, N, 1.0 / N,
+                                   x.stride(0), dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
+                                   BLOCK=block, num_warps=cfg["num_warps"])
+        _backward_chunks_kernel[(parts, chunks)](*pointers, sums, *outputs, M, N, 1.0 / N, triton.cdiv(M, parts),
+                                                 *strides, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
     return dx, (dw.sum(0) if dw is not None else None), (db.sum(0) if db is not None else None)
 
 
@@ -272,15 +411,21 @@ class _Norm(torch.autograd.Function):
                 None, None, None, None)
 
 
-_forward_op = torch.library.custom_op("pintail::norm_forward", _forward, mutates_args=())
+def _forward_for_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool,
+                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+
+
+_forward_op = torch.library.custom_op("pintail::norm_forward", _forward_for_op, mutates_args=())
 
 
 @_forward_op.register_fake
-def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, max_block=MAX_BLOCK):
+def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
     M, N = x.shape
     h = x.new_empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None \
         else x.new_empty(0, N, dtype=out_dtype)
-    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(M, dtype=torch.float32),
+    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms else M, dtype=torch.float32),
             x.new_empty(M, dtype=torch.float32))
 
 

@@ -88,8 +88,8 @@ def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
     """(y, h, mean, rstd) of pintail/norm.py in torch, for rows x[M, N]."""
     h = x + residual if residual is not None else x[:0]
     v = (h if residual is not None else x).to(torch.promote_types(x.dtype, torch.float32))
-    mean = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device) if rms else v.mean(1)
-    centred = v - mean[:, None]
+    mean = v.new_empty(0) if rms else v.mean(1)  # RMS: not kept
+    centred = v if rms else v - mean[:, None]
     rstd = torch.rsqrt(centred.square().mean(1) + eps)
     y = centred * rstd[:, None]
     if weight is not None:
@@ -102,7 +102,7 @@ def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
 def norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype):
     """(dx, dweight, dbias) of norm_forward, x being the normalised input (h with a residual)."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    x_hat = (x.to(compute) - mean[:, None]) * rstd[:, None]
+    x_hat = (x.to(compute) if rms else x.to(compute) - mean[:, None]) * rstd[:, None]
     dy = dy.to(compute)
     g = dy * (weight.to(compute) + weight_offset) if weight is not None else dy
     dx = g - x_hat * (g * x_hat).mean(1, keepdim=True)

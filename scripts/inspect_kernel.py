@@ -22,6 +22,28 @@ rot = importlib.import_module("pintail.rotary")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
+FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr"}
+
+
+def signature(fn):
+    """A signature for a kernel from its argument names: bf16 tensors, float32 statistics,
+    int32 sizes and strides, the float scalars by name."""
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in FLOAT_ARGS:
+            sig[p.name] = "fp32"
+        elif p.name in FLOAT32_POINTERS:
+            sig[p.name] = "*fp32"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = "*bf16"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
@@ -64,24 +86,23 @@ def main():
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, ce_fwd, {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
         inspect(ce._backward_kernel, ce_bwd, {**options, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
-    norm_fwd = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
-                "y_ptr": "*bf16", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "N": "i32", "x_row_stride": "i32",
-                "residual_row_stride": "i32", "h_row_stride": "i32", "y_row_stride": "i32", "eps": "fp32",
-                "weight_offset": "fp32", "RMS": "constexpr", "HAS_RESIDUAL": "constexpr", "HAS_WEIGHT": "constexpr",
-                "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-    norm_bwd = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dh_ptr": "*bf16", "mean_ptr": "*fp32",
-                "rstd_ptr": "*fp32", "sums_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32",
-                "M": "i32", "N": "i32", "rows_per_program": "i32", "x_row_stride": "i32", "dy_row_stride": "i32",
-                "dh_row_stride": "i32", "dx_row_stride": "i32", "weight_offset": "fp32", "RMS": "constexpr",
-                "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr", "HAS_DH": "constexpr", "ONE_CHUNK": "constexpr",
-                "BLOCK": "constexpr"}
     for rms in (True, False):
-        inspect(norm._forward_kernel, norm_fwd, {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True,
-                                                 "HAS_BIAS": not rms, "BLOCK": norm.MAX_BLOCK}, norm.FORWARD_WARPS)
+        flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
+        for N in (1024, 4096, 8192, 16384, 32768):
+            cfg = norm.forward_config(N)
+            inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
+                    {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
+        for N in (1024, 4096, 8192):
+            cfg = norm.backward_config(N)
+            inspect(norm._backward_rows_kernel, signature(norm._backward_rows_kernel),
+                    {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "BLOCK_M": cfg["BLOCK_M"],
+                     "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
+        inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
+                {**flags, "BLOCK": norm.FORWARD_LONG["BLOCK"]}, norm.FORWARD_LONG["num_warps"])
         for one_chunk in (True, False):
-            inspect(norm._backward_kernel, norm_bwd, {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms,
-                                                      "HAS_DH": rms, "ONE_CHUNK": one_chunk,
-                                                      "BLOCK": norm.MAX_BLOCK}, norm.BACKWARD_WARPS)
+            inspect(norm._backward_chunks_kernel, signature(norm._backward_chunks_kernel),
+                    {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "ONE_CHUNK": one_chunk,
+                     "BLOCK": norm.BACKWARD_LONG["BLOCK"]}, norm.BACKWARD_LONG["num_warps"])
     rot_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
                "S": "i32", "H": "i32", "D": "i32", "seq_offset": "i32", "table_rows": "i32", "x_stride_b": "i32",
                "x_stride_s": "i32", "x_stride_h": "i32", "out_stride_b": "i32", "out_stride_s": "i32",

@@ -1,0 +1,112 @@
+"""Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16, M*N = 2^27, with a
+weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
+Feeds the tables in pintail/norm.py and docs/perf-notes.md.
+
+    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer]
+"""
+
+import argparse
+import importlib
+import json
+import os
+
+import torch
+from triton.testing import do_bench
+
+norm = importlib.import_module("pintail.norm")
+
+
+def time_ms(fn):
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_bandwidth():
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
+
+
+def configs(direction, N):
+    out = []
+    block_n = 1 << (N - 1).bit_length()
+    rows_limit = 32768 if direction == "fwd" else 16384
+    if N <= rows_limit:
+        for tile in sorted({block_n, 2048, 4096, 8192, 16384}):
+            if tile < block_n:
+                continue
+            for warps in (4, 8, 16, 32):
+                per_thread = tile // (32 * warps)
+                if not 4 <= per_thread <= 64:
+                    continue
+                cfg = {"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps}
+                if direction == "fwd":
+                    out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4, 8, 16)
+                            if per_sm * warps <= 64]
+                elif tile <= 8192:
+                    out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
+    if N >= 16384:
+        for block in (4096, 8192, 16384):
+            for warps in (8, 16):
+                if direction == "fwd":
+                    out.append({"plan": "long", "BLOCK": block, "num_warps": warps})
+                elif block <= 8192:
+                    out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+                            for per_sm in (2, 4)]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,131072,262144")
+    p.add_argument("--directions", default="fwd,bwd")
+    p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
+    args = p.parse_args()
+    rms = not args.layer
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    results = []
+    for direction in args.directions.split(","):
+        for N in map(int, args.sizes.split(",")):
+            M = 2**27 // N
+            x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn_like(x)
+            _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+            default = norm.forward_config(N) if direction == "fwd" else norm.backward_config(N)
+            nbytes = (2 if direction == "fwd" else 3) * M * N * 2
+            for cfg in configs(direction, N):
+                if direction == "fwd":
+                    fn = lambda: norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
+                else:
+                    fn = lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
+                try:
+                    ms = time_ms(fn)
+                except Exception as e:  # e.g. out of registers
+                    print(f"{direction} N={N} {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                frac = nbytes / (ms * 1e-3) / copy_bw
+                results.append({"direction": direction, "N": N, "config": cfg, "ms": ms, "fraction": frac,
+                                "default": cfg == default})
+                print(f"{direction} N={N} {cfg}: {ms:.4f} ms {frac:.3f}{' (default)' if cfg == default else ''}",
+                      flush=True)
+            del x, dy
+            torch.cuda.empty_cache()
+    name = "tune_layer_norm.json" if args.layer else "tune_rms_norm.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
+    print("\nbest per shape:")
+    for direction in args.directions.split(","):
+        for N in map(int, args.sizes.split(",")):
+            rows = [r for r in results if r["direction"] == direction and r["N"] == N]
+            if not rows:
+                continue
+            best = max(rows, key=lambda r: r["fraction"])
+            default = next((r for r in rows if r["default"]), None)
+            print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
+                  f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
