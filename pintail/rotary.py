@@ -25,161 +25,202 @@ from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, S, H, D, seq_offset, table_rows,
-                   x_stride_b, x_stride_s, x_stride_h, out_stride_b, out_stride_s, out_stride_h,
-                   table_stride_b, table_stride_row, pos_stride_b, pos_stride_s,
-                   PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
-                   HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
-    # One token (b, s): its table row once, then every head.
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // S
-    s = pid % S
-    if HAS_POS:
-        position = tl.load(pos_ptr + b * pos_stride_b + s * pos_stride_s).to(tl.int64)
-    else:
-        position = s + seq_offset
-    in_table = (position >= 0) & (position < table_rows)  # outside: NaN out, never a wild read
+def _rotate_heads(x_ptr, out_ptr, H, stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
+                  b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BACKWARD: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_REST: tl.constexpr):
+    """Every head of one tensor for the program's tokens: a [tokens, pairs] tile per head."""
     pair = tl.arange(0, BLOCK_P)
-    pair_mask = pair < PAIRS
-    # the table entries of each pair's first and second feature (cos and sin share strides)
-    row = b * table_stride_b + position * table_stride_row
-    at1 = row + pair * TABLE_STEP
-    at2 = at1 + TABLE_SECOND
-    table_mask = pair_mask & in_table
-    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
-    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
     feats = tl.arange(0, 2 * BLOCK_P)  # interleaved: the pairs side by side, one contiguous load
     rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)
-    for h0 in range(0, H, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        x_head = x_ptr + b * x_stride_b + s * x_stride_s + heads[:, None].to(tl.int64) * x_stride_h
-        o_head = out_ptr + b * out_stride_b + s * out_stride_s + heads[:, None].to(tl.int64) * out_stride_h
+    x_rows = x_ptr + b * stride_b + tokens[:, None] * stride_s
+    o_rows = out_ptr + b * out_stride_b + tokens[:, None] * out_stride_s
+    for h in range(0, H):
+        x_head = x_rows + h * stride_h
+        o_head = o_rows + h * out_stride_h
         if INTERLEAVED:  # features (2i, 2i + 1): split in registers, not two stride-2 loads
-            mask = (heads < H)[:, None] & (feats < 2 * PAIRS)[None, :]
+            mask = token_mask[:, None] & (feats < 2 * PAIRS)[None, :]
             both = tl.load(x_head + feats[None, :], mask=mask, other=0.0).to(tl.float32)
-            a, z = tl.split(tl.reshape(both, (BLOCK_H, BLOCK_P, 2)))
+            a, z = tl.split(tl.reshape(both, (BLOCK_S, BLOCK_P, 2)))
         else:  # features (i, i + PAIRS): two contiguous halves
-            mask = (heads < H)[:, None] & pair_mask[None, :]
+            mask = token_mask[:, None] & (pair < PAIRS)[None, :]
             a = tl.load(x_head + pair[None, :], mask=mask, other=0.0).to(tl.float32)
             z = tl.load(x_head + PAIRS + pair[None, :], mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
-            new_a = a * c1[None, :] + z * s2[None, :]
-            new_z = z * c2[None, :] - a * s1[None, :]
+            new_a = a * c1 + z * s2
+            new_z = z * c2 - a * s1
         else:
-            new_a = a * c1[None, :] - z * s1[None, :]
-            new_z = z * c2[None, :] + a * s2[None, :]
+            new_a = a * c1 - z * s1
+            new_z = z * c2 + a * s2
         if INTERLEAVED:
-            both = tl.reshape(tl.join(new_a, new_z), (BLOCK_H, 2 * BLOCK_P))
+            both = tl.reshape(tl.join(new_a, new_z), (BLOCK_S, 2 * BLOCK_P))
             tl.store(o_head + feats[None, :], both.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(o_head + pair[None, :], new_a.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(o_head + PAIRS + pair[None, :], new_z.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY_REST:  # features past rotary_dim pass through
-            rest_mask = (heads < H)[:, None] & (rest < D)[None, :]
+            rest_mask = token_mask[:, None] & (rest < D)[None, :]
             tl.store(o_head + rest[None, :], tl.load(x_head + rest[None, :], mask=rest_mask), mask=rest_mask)
 
 
+@triton.jit
+def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, S, HQ, HK, D, seq_offset,
+                   table_rows, q_stride_b, q_stride_s, q_stride_h, q_out_stride_b, q_out_stride_s, q_out_stride_h,
+                   k_stride_b, k_stride_s, k_stride_h, k_out_stride_b, k_out_stride_s, k_out_stride_h,
+                   table_stride_b, table_stride_row, pos_stride_b, pos_stride_s,
+                   PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
+                   HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
+    # BLOCK_S tokens of one sequence: their table rows once, then every head of q and of k
+    # (HK = 0: q only). A head's tile is BLOCK_S rows of contiguous features, whichever the
+    # layout.
+    blocks = tl.cdiv(S, BLOCK_S)
+    b = (tl.program_id(0) // blocks).to(tl.int64)
+    tokens = (tl.program_id(0) % blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    token_mask = tokens < S
+    tokens = tokens.to(tl.int64)
+    if HAS_POS:
+        positions = tl.load(pos_ptr + b * pos_stride_b + tokens * pos_stride_s, mask=token_mask, other=0).to(tl.int64)
+    else:
+        positions = tokens + seq_offset
+    in_table = (positions >= 0) & (positions < table_rows)  # outside: NaN out, never a wild read
+    pair = tl.arange(0, BLOCK_P)
+    # the table entries of each pair's first and second feature (cos and sin share strides)
+    at1 = b * table_stride_b + positions[:, None] * table_stride_row + pair[None, :] * TABLE_STEP
+    at2 = at1 + TABLE_SECOND
+    table_mask = (token_mask & in_table)[:, None] & (pair < PAIRS)[None, :]
+    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
+    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
+    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
+    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, HQ, q_stride_b, q_stride_s, q_stride_h, q_out_stride_b, q_out_stride_s,
+                  q_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
+                  BLOCK_S, BLOCK_P, BLOCK_REST)
+    _rotate_heads(k_ptr, k_out_ptr, HK, k_stride_b, k_stride_s, k_stride_h, k_out_stride_b, k_out_stride_s,
+                  k_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
+                  BLOCK_S, BLOCK_P, BLOCK_REST)
+
+
 # ------------------------------------------------------------------ launch heuristics
-HEAD_TILE_FEATURES = 4096  # heads per loop step: about this many features at once
+TILE_FEATURES = 2048  # tokens per program: about this many rotated features per head tile
+NUM_WARPS = 4
 
 
 def _bsh_strides(t, seq_dim):
     return (t.stride(0), t.stride(1), t.stride(2)) if seq_dim == 1 else (t.stride(0), t.stride(2), t.stride(1))
 
 
-def _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
-    """out = rotary(x), or its transpose for the backward, for x of shape (B, S, H, D)
-    (seq_dim 1) or (B, H, S, D) (seq_dim 2) with unit feature stride."""
-    B, D = x.shape[0], x.shape[3]
-    S, H = (x.shape[1], x.shape[2]) if seq_dim == 1 else (x.shape[2], x.shape[1])
-    if x.numel() == 0:
+def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    """out = rotary(x), or its transpose for the backward, for each (x, out) of one or two
+    (q and k, in one launch); x of shape (B, S, H, D) (seq_dim 1) or (B, H, S, D) (seq_dim 2),
+    unit feature stride; the tensors share B, S and D."""
+    (x, out), *second = pairs_of_tensors
+    y, y_out = second[0] if second else (x, out)
+    heads = lambda t: t.shape[2] if seq_dim == 1 else t.shape[1]
+    B, D, S = x.shape[0], x.shape[3], x.shape[seq_dim]
+    if B * S == 0:
         return
     pairs = rotary_dim // 2
     full_table = cos.shape[-1] == rotary_dim
     per_token = cos.dim() == 3
     block_p = triton.next_power_of_2(pairs)
+    block_s = max(1, min(triton.next_power_of_2(S), TILE_FEATURES // (2 * block_p)))
     rest = D - rotary_dim
-    _rotary_kernel[(B * S,)](
-        x, out, cos, sin, positions if positions is not None else cos, S, H, D, seq_offset, cos.shape[-2],
-        *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim),
+    _rotary_kernel[(B * triton.cdiv(S, block_s),)](
+        x, out, y, y_out, cos, sin, positions if positions is not None else cos, S, heads(x),
+        heads(y) if second else 0, D, seq_offset, cos.shape[-2],
+        *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim), *_bsh_strides(y, seq_dim),
+        *_bsh_strides(y_out, seq_dim),
         cos.stride(0) if per_token and cos.shape[0] > 1 else 0, cos.stride(-2),
         positions.stride(0) if positions is not None else 0, positions.stride(1) if positions is not None else 0,
         PAIRS=pairs, INTERLEAVED=interleaved,
         TABLE_STEP=2 if (interleaved and full_table) else 1,
         TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
         HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),
-        BLOCK_H=max(1, min(triton.next_power_of_2(H), HEAD_TILE_FEATURES // (2 * block_p))), BLOCK_P=block_p,
-        BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=4)
+        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=NUM_WARPS)
 
 
 # --------------------------------------------------------------- tensor-level functions
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None, seq_dim: int,
-            seq_offset: int, rotary_dim: int, interleaved: bool, backward: bool) -> torch.Tensor:
-    """The rotation of x (or its transpose) into a new tensor of x's layout."""
-    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES):
-        return reference.rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
-    x = unit_stride(x)
-    out = torch.empty_like(x)
-    _launch(x, out, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
-    return out
-
-
-def _rotate_in_place(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved):
-    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and cos.dtype in KERNEL_DTYPES):
-        x.copy_(reference.rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False))
+def _rotate(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+            positions: torch.Tensor | None, seq_dim: int, seq_offset: int, rotary_dim: int, interleaved: bool,
+            backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of x and of y (q and k; y may be None: then an empty second output), or
+    its transpose, into new tensors of their layouts; one launch for both."""
+    tensors = [t for t in (x, y) if t is not None]
+    if not (runs_kernels(x) and all(t.dtype in KERNEL_DTYPES for t in tensors) and cos.dtype in KERNEL_DTYPES):
+        outs = [reference.rotary(t, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
+                for t in tensors]
     else:
-        _launch(x, x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
-    return x
+        tensors = [unit_stride(t) for t in tensors]
+        outs = [torch.empty_like(t) for t in tensors]
+        _launch(list(zip(tensors, outs)), cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
+    return outs[0], (outs[1] if y is not None else x.new_empty(0))
+
+
+def _rotate_in_place(tensors, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved):
+    if not (runs_kernels(tensors[0]) and all(t.dtype in KERNEL_DTYPES for t in tensors)
+            and cos.dtype in KERNEL_DTYPES):
+        for t in tensors:
+            t.copy_(reference.rotary(t, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False))
+    else:
+        _launch([(t, t) for t in tensors], cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
 
 
 # ------------------------------------------------------------- autograd and torch.library
 # Eager calls take a plain autograd.Function (host time, as for softmax); torch.compile
-# reaches the same function as a custom op, out of place.
+# reaches the same function as a custom op, out of place. q and k go through one node and
+# one launch.
 
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace):
+    def forward(ctx, x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace):
         geometry = (seq_dim, seq_offset, rotary_dim, interleaved)
         if inplace:
-            out = _rotate_in_place(x, cos, sin, positions, *geometry)
-            ctx.mark_dirty(x)
+            _rotate_in_place([t for t in (x, y) if t is not None], cos, sin, positions, *geometry)
+            ctx.mark_dirty(*[t for t in (x, y) if t is not None])
+            x_out, y_out = x, y
         else:
-            out = _rotate(x, cos, sin, positions, *geometry, backward=False)
+            x_out, y_out = _rotate(x, y, cos, sin, positions, *geometry, backward=False)
+            y_out = y_out if y is not None else None
         ctx.save_for_backward(cos, sin, positions)
         ctx.geometry = geometry
-        return out
+        ctx.set_materialize_grads(False)
+        return x_out, y_out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, dx, dy):
         cos, sin, positions = ctx.saved_tensors
-        return (_rotate(grad, cos, sin, positions, *ctx.geometry, backward=True),
-                None, None, None, None, None, None, None, None)
+        if dx is None and dy is None:
+            return (None,) * 10
+        first, second = (dx, dy) if dx is not None else (dy, None)
+        out_first, out_second = _rotate(first, second, cos, sin, positions, *ctx.geometry, backward=True)
+        grads = (out_first, out_second if second is not None else None) if dx is not None else (None, out_first)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 _rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=())
 
 
 @_rotary_op.register_fake
-def _(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
-    return torch.empty_like(unit_stride(x))
+def _(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    return torch.empty_like(unit_stride(x)), (torch.empty_like(unit_stride(y)) if y is not None else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    _, cos, sin, positions, *geometry = inputs
+    _, y, cos, sin, positions, *geometry = inputs
     ctx.save_for_backward(cos, sin, positions)
     ctx.geometry = tuple(geometry[:-1])
+    ctx.has_second = y is not None
 
 
-def _backward_of_op(ctx, grad):
+def _backward_of_op(ctx, dx, dy):
     cos, sin, positions = ctx.saved_tensors
-    return _rotary_op(grad, cos, sin, positions, *ctx.geometry, True), None, None, None, None, None, None, None, None
+    dx_in, dy_in = _rotary_op(dx, dy if ctx.has_second else None, cos, sin, positions, *ctx.geometry, True)
+    return (dx_in, dy_in if ctx.has_second else None, None, None, None, None, None, None, None, None)
 
 
 _rotary_op.register_autograd(_backward_of_op, setup_context=_setup_context)
@@ -298,12 +339,10 @@ def _apply(name, tensors, cos, sin, position_ids, seq_offset, layout, rotary_dim
     tracing = torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing())
     if positions is not None and not tracing:
         _check_positions(name, positions, cos.shape[0])
-    outputs = []
-    for _, t in tensors:
-        x = t.unsqueeze(0) if cu_seqlens is not None else t
-        if torch.compiler.is_compiling():
-            out = _rotary_op(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
-        else:
-            out = _Rotary.apply(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace)
-        outputs.append(out.squeeze(0) if cu_seqlens is not None else out)
-    return tuple(outputs)
+    x, y = [t.unsqueeze(0) if cu_seqlens is not None else t for _, t in tensors] + [None] * (2 - len(tensors))
+    if torch.compiler.is_compiling():
+        x_out, y_out = _rotary_op(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
+    else:
+        x_out, y_out = _Rotary.apply(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace)
+    outputs = (x_out, y_out) if y is not None else (x_out,)
+    return tuple(o.squeeze(0) if cu_seqlens is not None else o for o in outputs)

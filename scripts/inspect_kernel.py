@@ -47,7 +47,7 @@ def signature(fn):
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
-                                                                   "rows_per_program")}
+                                                                   "rows_per_program", "HQ", "HK", "S", "D")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     path = "/tmp/pintail_inspect.cubin"
@@ -103,20 +103,11 @@ def main():
             inspect(norm._backward_chunks_kernel, signature(norm._backward_chunks_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "ONE_CHUNK": one_chunk,
                      "BLOCK": norm.BACKWARD_LONG["BLOCK"]}, norm.BACKWARD_LONG["num_warps"])
-    rot_sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
-               "S": "i32", "H": "i32", "D": "i32", "seq_offset": "i32", "table_rows": "i32", "x_stride_b": "i32",
-               "x_stride_s": "i32", "x_stride_h": "i32", "out_stride_b": "i32", "out_stride_s": "i32",
-               "out_stride_h": "i32", "table_stride_b": "i32", "table_stride_row": "i32", "pos_stride_b": "i32",
-               "pos_stride_s": "i32", "PAIRS": "constexpr", "INTERLEAVED": "constexpr",
-               "TABLE_STEP": "constexpr", "TABLE_SECOND": "constexpr", "HAS_POS": "constexpr",
-               "BACKWARD": "constexpr", "COPY_REST": "constexpr", "BLOCK_H": "constexpr", "BLOCK_P": "constexpr",
-               "BLOCK_REST": "constexpr"}
     for interleaved in (False, True):
-        inspect(rot._rotary_kernel, rot_sig, {"PAIRS": 64, "INTERLEAVED": interleaved, "TABLE_STEP": 1,
-                                              "TABLE_SECOND": 64 if not interleaved else 1, "HAS_POS": interleaved,
-                                              "BACKWARD": interleaved, "COPY_REST": interleaved, "BLOCK_H": 32,
-                                              "BLOCK_P": 64, "BLOCK_REST": 64}, 4)
-
+        inspect(rot._rotary_kernel, signature(rot._rotary_kernel),
+                {"PAIRS": 64, "INTERLEAVED": interleaved, "TABLE_STEP": 1, "TABLE_SECOND": 64 if not interleaved else 1,
+                 "HAS_POS": interleaved, "BACKWARD": interleaved, "COPY_REST": interleaved,
+                 "BLOCK_S": rot.TILE_FEATURES // 128, "BLOCK_P": 64, "BLOCK_REST": 64}, rot.NUM_WARPS)
 
 if __name__ == "__main__":
     main()

@@ -40,8 +40,7 @@ def configs(direction, N):
                     continue
                 cfg = {"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps}
                 if direction == "fwd":
-                    out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4, 8, 16)
-                            if per_sm * warps <= 64]
+                    out.append(cfg)
                 elif tile <= 8192:
                     out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
     if N >= 16384:

@@ -51,7 +51,7 @@ def check(x, out, cos_full, sin_full, interleaved, layout):
     assert out.shape == x.shape and out.dtype == x.dtype
     assert_matches(out, truth, same, unit=1.0)
     grad = torch.randn_like(out)
-    (dx,) = torch.autograd.grad(out, x, grad)
+    (dx,) = torch.autograd.grad(out, x, grad, retain_graph=True)  # q and k share one node
     (dx_truth,) = torch.autograd.grad(truth, x64, grad.double())
     assert_matches(dx, dx_truth, dx_truth.to(x.dtype), unit=1.0)
 
@@ -157,8 +157,9 @@ def test_compile_fullgraph(device):
     assert torch.allclose(loss, loss_eager, rtol=1e-5)
     for g, ge in zip(grads, grads_eager):
         assert torch.allclose(g, ge, rtol=1e-5, atol=1e-6)
-    torch.library.opcheck(torch.ops.pintail.rotary.default,
-                          (q.detach().requires_grad_(), cos, sin, None, 1, 0, D, False, False))
+    for second in (k.detach().requires_grad_(), None):  # q and k in one launch, or one tensor
+        torch.library.opcheck(torch.ops.pintail.rotary.default,
+                              (q.detach().requires_grad_(), second, cos, sin, None, 1, 0, D, False, False))
 
 
 def test_positions_outside_the_table(device):

@@ -1,0 +1,40 @@
+"""Sweep the rotary launch configuration on a GPU: q (8, 32, 4096, 128) and k (8, 8, 4096, 128)
+bf16, (batch, heads, seq, dim), half-split pairs, the BENCHMARKS.md shape; forward and
+backward kernels launched directly (no autograd), as fractions of the copy bandwidth.
+
+    python scripts/tune_rotary.py
+"""
+
+import importlib
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+rot = importlib.import_module("pintail.rotary")
+
+
+def main():
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    copy_ms = do_bench(lambda: torch.empty_like(x).copy_(x), return_mode="median")
+    copy_bw = 4 * x.numel() / (copy_ms * 1e-3)
+    del x
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    nbytes = 2 * 2 * (q.numel() + k.numel())
+    for tile, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8)):
+        rot.TILE_FEATURES, rot.NUM_WARPS = tile, warps
+        for backward in (False, True):
+            fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, backward)
+            ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+            print(f"{'bwd' if backward else 'fwd'} tile={tile} warps={warps}: {ms:.4f} ms "
+                  f"{nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
