@@ -27,25 +27,29 @@ from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, H, stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
                   b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BACKWARD: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_REST: tl.constexpr):
-    """Every head of one tensor for the program's tokens: a [tokens, pairs] tile per head."""
-    pair = tl.arange(0, BLOCK_P)
-    feats = tl.arange(0, 2 * BLOCK_P)  # interleaved: the pairs side by side, one contiguous load
-    rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)
-    x_rows = x_ptr + b * stride_b + tokens[:, None] * stride_s
-    o_rows = out_ptr + b * out_stride_b + tokens[:, None] * out_stride_s
-    for h in range(0, H):
-        x_head = x_rows + h * stride_h
-        o_head = o_rows + h * out_stride_h
+                  BACKWARD: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Every head of one tensor for the program's tokens, BLOCK_H heads at a time: a
+    [heads, tokens, pairs] tile; the table tiles [tokens, pairs] broadcast over the heads."""
+    pair = tl.arange(0, BLOCK_P)[None, None, :]
+    feats = tl.arange(0, 2 * BLOCK_P)[None, None, :]  # interleaved: the pairs side by side, one load
+    rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)[None, None, :]
+    token_rows = b * stride_b + tokens[None, :, None] * stride_s
+    out_token_rows = b * out_stride_b + tokens[None, :, None] * out_stride_s
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        rows_mask = (heads < H)[:, None, None] & token_mask[None, :, None]
+        heads = heads.to(tl.int64)[:, None, None]
+        x_head = x_ptr + token_rows + heads * stride_h
+        o_head = out_ptr + out_token_rows + heads * out_stride_h
         if INTERLEAVED:  # features (2i, 2i + 1): split in registers, not two stride-2 loads
-            mask = token_mask[:, None] & (feats < 2 * PAIRS)[None, :]
-            both = tl.load(x_head + feats[None, :], mask=mask, other=0.0).to(tl.float32)
-            a, z = tl.split(tl.reshape(both, (BLOCK_S, BLOCK_P, 2)))
+            mask = rows_mask & (feats < 2 * PAIRS)
+            both = tl.load(x_head + feats, mask=mask, other=0.0).to(tl.float32)
+            a, z = tl.split(tl.reshape(both, (BLOCK_H, BLOCK_S, BLOCK_P, 2)))
         else:  # features (i, i + PAIRS): two contiguous halves
-            mask = token_mask[:, None] & (pair < PAIRS)[None, :]
-            a = tl.load(x_head + pair[None, :], mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(x_head + PAIRS + pair[None, :], mask=mask, other=0.0).to(tl.float32)
+            mask = rows_mask & (pair < PAIRS)
+            a = tl.load(x_head + pair, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(x_head + PAIRS + pair, mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
             new_a = a * c1 + z * s2
             new_z = z * c2 - a * s1
@@ -53,14 +57,14 @@ def _rotate_heads(x_ptr, out_ptr, H, stride_b, stride_s, stride_h, out_stride_b,
             new_a = a * c1 - z * s1
             new_z = z * c2 + a * s2
         if INTERLEAVED:
-            both = tl.reshape(tl.join(new_a, new_z), (BLOCK_S, 2 * BLOCK_P))
-            tl.store(o_head + feats[None, :], both.to(out_ptr.dtype.element_ty), mask=mask)
+            both = tl.reshape(tl.join(new_a, new_z), (BLOCK_H, BLOCK_S, 2 * BLOCK_P))
+            tl.store(o_head + feats, both.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(o_head + pair[None, :], new_a.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(o_head + PAIRS + pair[None, :], new_z.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_head + pair, new_a.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_head + PAIRS + pair, new_z.to(out_ptr.dtype.element_ty), mask=mask)
         if COPY_REST:  # features past rotary_dim pass through
-            rest_mask = token_mask[:, None] & (rest < D)[None, :]
-            tl.store(o_head + rest[None, :], tl.load(x_head + rest[None, :], mask=rest_mask), mask=rest_mask)
+            rest_mask = rows_mask & (rest < D)
+            tl.store(o_head + rest, tl.load(x_head + rest, mask=rest_mask), mask=rest_mask)
 
 
 @triton.jit
@@ -71,7 +75,8 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
                    PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
                    TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
                    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_REST: tl.constexpr):
     # BLOCK_S tokens of one sequence: their table rows once, then every head of q and of k
     # (HK = 0: q only). A head's tile is BLOCK_S rows of contiguous features, whichever the
     # layout.
@@ -90,21 +95,24 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
     at1 = b * table_stride_b + positions[:, None] * table_stride_row + pair[None, :] * TABLE_STEP
     at2 = at1 + TABLE_SECOND
     table_mask = (token_mask & in_table)[:, None] & (pair < PAIRS)[None, :]
-    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
-    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
+    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
     _rotate_heads(q_ptr, q_out_ptr, HQ, q_stride_b, q_stride_s, q_stride_h, q_out_stride_b, q_out_stride_s,
                   q_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
-                  BLOCK_S, BLOCK_P, BLOCK_REST)
+                  BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
     _rotate_heads(k_ptr, k_out_ptr, HK, k_stride_b, k_stride_s, k_stride_h, k_out_stride_b, k_out_stride_s,
                   k_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
-                  BLOCK_S, BLOCK_P, BLOCK_REST)
+                  BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
 
 
 # ------------------------------------------------------------------ launch heuristics
-TILE_FEATURES = 2048  # tokens per program: about this many rotated features per head tile
-NUM_WARPS = 4
+# Measured on the H200 (scripts/tune_rotary.py, docs/perf-notes.md): BLOCK_S tokens per
+# program, BLOCK_H heads per step, about TILE_FEATURES rotated features per head tile.
+TILE_FEATURES = 2048
+HEADS_PER_STEP = 1
+NUM_WARPS = 2
 
 
 def _bsh_strides(t, seq_dim):
@@ -138,7 +146,7 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
         TABLE_STEP=2 if (interleaved and full_table) else 1,
         TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
         HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),
-        BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=NUM_WARPS)
+        BLOCK_H=HEADS_PER_STEP, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=NUM_WARPS)
 
 
 # --------------------------------------------------------------- tensor-level functions

@@ -27,12 +27,12 @@ def main():
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
-    for tile, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8)):
-        rot.TILE_FEATURES, rot.NUM_WARPS = tile, warps
+    for tile, heads, warps in itertools.product((1024, 2048, 4096), (1, 2, 4), (2, 4, 8)):
+        rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = tile, heads, warps
         for backward in (False, True):
             fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, backward)
             ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
-            print(f"{'bwd' if backward else 'fwd'} tile={tile} warps={warps}: {ms:.4f} ms "
+            print(f"{'bwd' if backward else 'fwd'} tile={tile} heads={heads} warps={warps}: {ms:.4f} ms "
                   f"{nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
 
 

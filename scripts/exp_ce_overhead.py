@@ -1,0 +1,68 @@
+"""Experiment: host time of one cross-entropy step at a small size (M = 8 rows, V = 32768,
+bf16; mean reduction, check_target=False), layer by layer, and a cProfile of the
+forward+backward loop: where the host time goes when V = 32768 is host-bound.
+
+    python scripts/exp_ce_overhead.py
+"""
+
+import cProfile
+import importlib
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pintail
+
+ce = importlib.import_module("pintail.cross_entropy")
+
+
+def host_us(fn, calls=300):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main():
+    M, V = 8, 32768
+    x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, V, (M,), device="cuda")
+    xd = x.detach()
+    options = (-100, 0.0, 0.0, 0.0, False)
+
+    def step():
+        loss = pintail.cross_entropy(x, t, check_target=False)
+        torch.autograd.grad(loss, x)
+
+    def torch_step():
+        torch.autograd.grad(F.cross_entropy(x, t), x)
+
+    layers = {
+        "forward rows (kernel + allocations)": lambda: ce._forward(xd, t, None, *options),
+        "torch.empty x3": lambda: (torch.empty(M, device="cuda"), torch.empty(M, 2, device="cuda"),
+                                   torch.empty(0, device="cuda")),
+        "three small torch ops": lambda: (t != -100).sum().float(),
+        "pintail forward (unchecked)": lambda: pintail.cross_entropy(x, t, check_target=False),
+        "pintail forward (checked)": lambda: pintail.cross_entropy(x, t),
+        "pintail fwd+bwd (unchecked)": step,
+        "torch forward": lambda: F.cross_entropy(x, t),
+        "torch fwd+bwd": torch_step,
+    }
+    for name, fn in layers.items():
+        print(f"{name}: {host_us(fn):.1f} us host per call", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(300):
+        step()
+    torch.cuda.synchronize()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
