@@ -49,6 +49,40 @@ def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
     return V * 1.0
 
 
+@triton.jit
+def _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, ignore_index,
+                      REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr):
+    """sum / mean of the row losses, inside the forward launch: every row program counts its
+    arrival (acq_rel: its loss store is visible first), and the last one sums the M losses
+    in a fixed order (deterministic, whichever program is last) and, for mean, the kept
+    rows' class weights. No second launch and no torch ops: at V = 32768 the step is
+    host-bound, and each of those costs ~10-40 us of host time."""
+    if REDUCE != 0:
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        if arrived == M - 1:
+            total = 0.0
+            denominator = 0.0
+            for start in range(0, M, 1024):
+                rows = start + tl.arange(0, 1024)
+                in_rows = rows < M
+                total += tl.sum(tl.load(loss_ptr + rows, mask=in_rows, other=0.0, cache_modifier=".cg"), axis=0)
+                if REDUCE == 2:
+                    if PROB:  # probability targets: mean over rows
+                        denominator += tl.sum(in_rows.to(tl.float32), axis=0)
+                    else:
+                        t = tl.load(target_ptr + rows, mask=in_rows, other=ignore_index).to(tl.int64)
+                        kept = in_rows & (t != ignore_index)
+                        if HAS_WEIGHT:
+                            denominator += tl.sum(tl.load(weight_ptr + t, mask=kept & (t >= 0) & (t < V),
+                                                          other=0.0).to(tl.float32), axis=0)
+                        else:
+                            denominator += tl.sum(kept.to(tl.float32), axis=0)
+            if REDUCE == 2:
+                total = total / denominator  # all rows ignored: 0 / 0 = NaN, as torch
+                tl.store(denom_ptr, denominator)
+            tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -82,9 +116,9 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride,
-                    ignore_index, smoothing, z_scale, softcap,
-                    HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V,
+                    x_row_stride, ignore_index, smoothing, z_scale, softcap,
+                    HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
                     BLOCK: tl.constexpr):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss.
@@ -127,12 +161,15 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
     tl.store(loss_ptr + row, loss)
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
+    _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, ignore_index,
+                      REDUCE, HAS_WEIGHT, False)
 
 
 @triton.jit
-def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
-                          smoothing, z_scale, softcap,
-                          HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, out_ptr, denom_ptr, arrivals_ptr,
+                          M, V, x_row_stride, y_row_stride, smoothing, z_scale, softcap,
+                          HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
+                          BLOCK: tl.constexpr):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
     # B = sum_j w_j y'_j; loss = B * log-sum - A.
     row = tl.program_id(0).to(tl.int64)
@@ -160,15 +197,26 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)
+    _reduce_when_last(loss_ptr, y_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, 0, REDUCE, HAS_WEIGHT, True)
 
 
 # ---------------------------------------------------------------------------- backward
 
 
 @triton.jit
-def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, V, x_row_stride,
-                     dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
-                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
+    """d(returned loss)/d(row loss): grad[row] (reduction none: stride 1) or the scalar grad
+    (stride 0), divided by the mean's denominator."""
+    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    if MEAN:
+        g = g / tl.load(denom_ptr)
+    return g
+
+
+@triton.jit
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
+                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr):
     # One chunk of one row: read the logits again, write the gradient.
     row = tl.program_id(0).to(tl.int64)
@@ -180,7 +228,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     lse = row_max + log_sum
-    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
     if HAS_WEIGHT:
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     else:
@@ -208,16 +256,16 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
 
 
 @triton.jit
-def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, V, x_row_stride,
-                           y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
-                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
+                           x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
+                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     mass = tl.load(mass_ptr + row)
-    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if SOFTCAP:
         capped = _softcapped(x, softcap)
@@ -252,36 +300,53 @@ def _weight_total_of(weight, placeholder):
     return weight.float().sum().reshape(1) if weight is not None else placeholder
 
 
+REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
+
+
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
+    """Per-row loss, (max, log-sum) pairs and (probability targets) target mass B, float32,
+    of x[M, V] (lse = max + log-sum); with reduction sum / mean also the reduced loss (0-d,
+    x's dtype) and the mean's denominator, from the same launch."""
+    M, V = x.shape
+    device = x.device
+    loss = torch.empty(M, dtype=torch.float32, device=device)
+    stats = torch.empty(M, 2, dtype=torch.float32, device=device)
+    mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=device)
+    reduce = REDUCE_CODES[reduction]
+    out = torch.empty((), dtype=x.dtype, device=device) if reduce else loss
+    denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
+    if M == 0:
+        return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=device) if reduce else loss
+    has_weight = weight is not None
+    w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, REDUCE=reduce, BLOCK=_block(V, FORWARD_BLOCK),
+                  num_warps=FORWARD_WARPS)
+    if prob_target:
+        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, out, denominator, arrivals, M, V, x.stride(0),
+                                    target.stride(0), smoothing, z_scale, softcap, **common)
+    else:
+        _forward_kernel[(M,)](x, target, w, loss, stats, out, denominator, arrivals, M, V, x.stride(0),
+                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
+    return loss, stats, mass, out, denominator
+
+
 def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
              smoothing: float, z_scale: float, softcap: float, prob_target: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss, (max, log-sum) pair and (probability targets) target mass B, all
     float32, of x[M, V]: lse = max + log-sum."""
-    M, V = x.shape
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
         return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
-    loss = torch.empty(M, dtype=torch.float32, device=x.device)
-    stats = torch.empty(M, 2, dtype=torch.float32, device=x.device)
-    mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return loss, stats, mass
-    has_weight = weight is not None
-    w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
-                  num_warps=FORWARD_WARPS)
-    if prob_target:
-        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
-                                    smoothing, z_scale, softcap, **common)
-    else:
-        _forward_kernel[(M,)](x, target, w, loss, stats, V, x.stride(0),
-                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
-    return loss, stats, mass
+    return _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, "none")[:3]
 
 
 def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
               stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
-              softcap: float, prob_target: bool, inplace: bool) -> torch.Tensor:
-    """dloss/dx[M, V] from the gradient of each row's loss."""
+              softcap: float, prob_target: bool, inplace: bool, denominator: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """dloss/dx[M, V] from the gradient of each row's loss (grad of shape (M,)), or from the
+    gradient of their sum (a 0-d grad), or of their mean (0-d, with its denominator)."""
     M, V = x.shape
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
         return reference.cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing,
@@ -293,13 +358,17 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     w = weight if has_weight else stats
     block = _block(V, BACKWARD_BLOCK)
     grid = (M, triton.cdiv(V, block))
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=block, num_warps=BACKWARD_WARPS)
+    grad_stride = grad.stride(0) if grad.dim() else 0
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
+                  num_warps=BACKWARD_WARPS)
+    denominator = denominator if denominator is not None else stats
     if prob_target:
-        _backward_probs_kernel[grid](dx, x, target, w, stats, mass, grad, V, x.stride(0), target.stride(0),
-                                     dx.stride(0), grad.stride(0), smoothing, z_scale, softcap, **common)
+        _backward_probs_kernel[grid](dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
+                                     target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
+                                     **common)
     else:
-        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, stats), stats, grad, V, x.stride(0),
-                               dx.stride(0), grad.stride(0), ignore_index, smoothing, z_scale, softcap,
+        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
+                               x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
                                SMOOTH=smoothing > 0, **common)
     return dx
 
@@ -328,48 +397,63 @@ class _Reduction:
 
     def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape):
         self.reduction, self.batch_shape = reduction, batch_shape
-        self.denominator = None
-        if reduction == "mean":
-            M = target.shape[0]
-            if prob_target:
-                self.denominator = torch.full((), float(M), device=target.device)
-            elif weight is None:
-                self.denominator = (target != ignore_index).sum().float()
+        self.target, self.weight, self.ignore_index, self.prob_target = target, weight, ignore_index, prob_target
+        self._denominator = None
+
+    def denominator(self):
+        """The mean's denominator, made when first asked (the eager kernels compute their own)."""
+        if self._denominator is None:
+            target, kept = self.target, self.target != self.ignore_index
+            if self.prob_target:
+                self._denominator = torch.full((), float(target.shape[0]), device=target.device)
+            elif self.weight is None:
+                self._denominator = kept.sum().float()
             else:
-                kept = target != ignore_index
-                self.denominator = (weight.float()[torch.where(kept, target, 0).long()] * kept).sum()
+                self._denominator = (self.weight.float()[torch.where(kept, target, 0).long()] * kept).sum()
+        return self._denominator
 
     def __call__(self, rows):
         if self.reduction == "none":
             return rows.reshape(self.batch_shape)
-        return rows.sum() if self.reduction == "sum" else rows.sum() / self.denominator
+        return rows.sum() if self.reduction == "sum" else rows.sum() / self.denominator()
 
     def row_gradients(self, grad, M):
         if self.reduction == "none":
             return grad.reshape(M)
-        return (grad if self.reduction == "sum" else grad / self.denominator).float().expand(M)
+        return (grad if self.reduction == "sum" else grad / self.denominator()).float().expand(M)
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Eager path: the kernels and the reduction as one autograd node (a chain of small torch
-    ops with their own nodes cost more host time than the kernels at LM sizes)."""
+    """Eager path: the kernels and the reduction as one autograd node. sum and mean are
+    reduced inside the forward launch and un-reduced inside the backward kernel: a chain of
+    small torch ops costs more host time than the kernels at LM sizes."""
 
     @staticmethod
     def forward(ctx, x, target, weight, options, reduce, inplace):
-        rows, stats, mass = _forward(x, target, weight, *options)
-        ctx.save_for_backward(x, target, weight, stats, mass)
-        ctx.options, ctx.reduce, ctx.inplace = options, reduce, inplace
+        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and reduce.reduction != "none"
+        if fused:
+            rows, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction)
+            denominator = denominator if reduce.reduction == "mean" else None
+        else:
+            rows, stats, mass = _forward(x, target, weight, *options)
+            loss, denominator = reduce(rows).to(x.dtype), None
+        ctx.save_for_backward(x, target, weight, stats, mass, denominator)
+        ctx.options, ctx.reduce, ctx.inplace, ctx.fused = options, reduce, inplace, fused
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)
-        return reduce(rows).to(x.dtype), stats
+        return loss, stats
 
     @staticmethod
     def backward(ctx, grad, _):
-        x, target, weight, stats, mass = ctx.saved_tensors
-        grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
-        dx = _backward(grad_rows, x, target, weight, stats, mass, *ctx.options, ctx.inplace)
+        x, target, weight, stats, mass, denominator = ctx.saved_tensors
+        if ctx.fused:  # the kernel divides the scalar grad by the mean's denominator itself
+            dx = _backward(grad, x, target, weight, stats, mass, *ctx.options, ctx.inplace, denominator)
+        else:
+            dx = _backward(ctx.reduce.row_gradients(grad, x.shape[0]), x, target, weight, stats, mass,
+                           *ctx.options, ctx.inplace)
         dtarget = None
         if ctx.needs_input_grad[1]:
+            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
             dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
         return dx, dtarget, None, None, None, None
 

@@ -55,10 +55,12 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         x = h.to(tl.float32)
     if RMS:
         centred = x
-    else:
-        mean = tl.sum(x, axis=1) * inv_n
-        centred = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    else:  # the sums run on x minus the row's first value: small and exact for a large mean
+        pilot = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        shifted = tl.where(mask, x - pilot[:, None], 0.0)
+        shifted_mean = tl.sum(shifted, axis=1) * inv_n
+        centred = tl.where(mask, shifted - shifted_mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, pilot + shifted_mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) * inv_n + eps)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = centred * rstd[:, None]

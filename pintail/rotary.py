@@ -111,8 +111,8 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
 # Measured on the H200 (scripts/tune_rotary.py, docs/perf-notes.md): BLOCK_S tokens per
 # program, BLOCK_H heads per step, about TILE_FEATURES rotated features per head tile.
 TILE_FEATURES = 2048
-HEADS_PER_STEP = 1
-NUM_WARPS = 2
+HEADS_PER_STEP = 2
+NUM_WARPS = 4
 
 
 def _bsh_strides(t, seq_dim):
