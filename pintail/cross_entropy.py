@@ -50,7 +50,7 @@ def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, ignore_index,
+def _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, ignore_index,
                       REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr):
     """sum / mean of the row losses, inside the forward launch: every row program counts its
     arrival (acq_rel: its loss store is visible first), and the last one sums the M losses
@@ -58,7 +58,7 @@ def _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, arri
     rows' class weights. No second launch and no torch ops: at V = 32768 the step is
     host-bound, and each of those costs ~10-40 us of host time."""
     if REDUCE != 0:
-        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+        arrived = tl.atomic_add(flags_ptr, 1, sem="acq_rel")  # flags[0]: rows arrived
         if arrived == M - 1:
             total = 0.0
             denominator = 0.0
@@ -116,10 +116,10 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V,
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr, denom_ptr, flags_ptr, M, V,
                     x_row_stride, ignore_index, smoothing, z_scale, softcap,
                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    CHECK: tl.constexpr, BLOCK: tl.constexpr):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss.
     row = tl.program_id(0).to(tl.int64)
@@ -146,6 +146,8 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr,
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
+    if CHECK:  # flags[1]: some target is out of range (the eager check reads it after the launch)
+        tl.store(flags_ptr + 1, 1, mask=~(in_range | ignored))
     x_t = tl.load(x_row + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     if SOFTCAP:
         x_t = _softcapped(x_t, softcap)
@@ -161,12 +163,12 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr,
     tl.store(loss_ptr + row, loss)
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
-    _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, ignore_index,
+    _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, ignore_index,
                       REDUCE, HAS_WEIGHT, False)
 
 
 @triton.jit
-def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, out_ptr, denom_ptr, arrivals_ptr,
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, out_ptr, denom_ptr, flags_ptr,
                           M, V, x_row_stride, y_row_stride, smoothing, z_scale, softcap,
                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -197,7 +199,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)
-    _reduce_when_last(loss_ptr, y_ptr, weight_ptr, out_ptr, denom_ptr, arrivals_ptr, M, V, 0, REDUCE, HAS_WEIGHT, True)
+    _reduce_when_last(loss_ptr, y_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, 0, REDUCE, HAS_WEIGHT, True)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -303,10 +305,12 @@ def _weight_total_of(weight, placeholder):
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
-def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction,
+                    flags=None):
     """Per-row loss, (max, log-sum) pairs and (probability targets) target mass B, float32,
     of x[M, V] (lse = max + log-sum); with reduction sum / mean also the reduced loss (0-d,
-    x's dtype) and the mean's denominator, from the same launch."""
+    x's dtype) and the mean's denominator, from the same launch. `flags`: zeroed int32
+    (2,), to have flags[1] set when a class index is out of range (the eager check)."""
     M, V = x.shape
     device = x.device
     loss = torch.empty(M, dtype=torch.float32, device=device)
@@ -317,17 +321,19 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
     if M == 0:
         return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=device) if reduce else loss
+    check = flags is not None
+    if flags is None:
+        flags = torch.zeros(2, dtype=torch.int32, device=device) if reduce else loss
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, REDUCE=reduce, BLOCK=_block(V, FORWARD_BLOCK),
                   num_warps=FORWARD_WARPS)
     if prob_target:
-        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, out, denominator, arrivals, M, V, x.stride(0),
+        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, out, denominator, flags, M, V, x.stride(0),
                                     target.stride(0), smoothing, z_scale, softcap, **common)
     else:
-        _forward_kernel[(M,)](x, target, w, loss, stats, out, denominator, arrivals, M, V, x.stride(0),
-                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
+        _forward_kernel[(M,)](x, target, w, loss, stats, out, denominator, flags, M, V, x.stride(0),
+                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, CHECK=check, **common)
     return loss, stats, mass, out, denominator
 
 
@@ -429,10 +435,13 @@ class _CrossEntropy(torch.autograd.Function):
     small torch ops costs more host time than the kernels at LM sizes."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, options, reduce, inplace):
-        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and reduce.reduction != "none"
+    def forward(ctx, x, target, weight, options, reduce, inplace, flags):
+        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and (reduce.reduction != "none" or flags is not None)
         if fused:
-            rows, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction)
+            rows, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction,
+                                                                   flags)
+            if reduce.reduction == "none":
+                loss = reduce(rows).to(x.dtype)
             denominator = denominator if reduce.reduction == "mean" else None
         else:
             rows, stats, mass = _forward(x, target, weight, *options)
@@ -446,7 +455,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         x, target, weight, stats, mass, denominator = ctx.saved_tensors
-        if ctx.fused:  # the kernel divides the scalar grad by the mean's denominator itself
+        if ctx.fused and ctx.reduce.reduction != "none":  # the kernel un-reduces the scalar grad itself
             dx = _backward(grad, x, target, weight, stats, mass, *ctx.options, ctx.inplace, denominator)
         else:
             dx = _backward(ctx.reduce.row_gradients(grad, x.shape[0]), x, target, weight, stats, mass,
@@ -455,7 +464,7 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
             dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
-        return dx, dtarget, None, None, None, None
+        return dx, dtarget, None, None, None, None, None
 
 
 _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
@@ -502,13 +511,13 @@ def _backward_of_op(ctx, grad, _stats, _mass):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
-def _loss_and_stats(x, target, weight, options, reduce, inplace):
+def _loss_and_stats(x, target, weight, options, reduce, inplace, flags):
     """(the reduced loss in x's dtype, (max, log-sum) per row). Under torch.compile through the custom
     ops, with the reduction as traced torch ops (and the gradient never written in place)."""
     if torch.compiler.is_compiling():
         rows, stats, _ = _forward_op(x, target, weight, *options)
         return reduce(rows).to(x.dtype), stats
-    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
+    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace, flags)
 
 
 # ------------------------------------------------------------------------ public API
@@ -592,8 +601,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
       Saves the (N, C) gradient's memory; the logits hold the gradient after backward, so use
       it only when nothing reads them afterwards (eager only: under torch.compile the gradient
       gets its own tensor).
-    - check_target: in eager mode an out-of-range class index raises IndexError, which reads
-      the targets on the host (one synchronisation per call). With check_target=False, under
+    - check_target: in eager mode an out-of-range class index raises IndexError. The forward
+      kernel flags such a target and the host reads the flag after the launch: one
+      synchronisation per call, and nothing else. With check_target=False, under
       torch.compile and while a CUDA graph is being captured there is no check: the kernels
       never read out of bounds, and a row with an out-of-range target gets a NaN loss and a
       NaN gradient, so the error shows in the loss.
@@ -612,12 +622,19 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         t = unit_stride(t)
     else:
         t = target.reshape(-1)
+    flags = None  # the kernels' out-of-range flag, read on the host after the launch
+    if not prob_target:
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
         if check_target and not tracing and t.numel() > 0:
-            _check_target_values(t, C, ignore_index)
+            if runs_kernels(x) and x.dtype in KERNEL_DTYPES:
+                flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+            else:
+                _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
-    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward)
+    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward, flags)
+    if flags is not None and flags[1].item():  # one synchronisation, after the forward launch
+        _check_target_values(t, C, ignore_index)
     outputs = [loss]
     lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:

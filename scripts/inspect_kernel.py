@@ -23,7 +23,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
-FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr"}
+FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
+                    "denom_ptr", "weight_total_ptr", "grad_ptr"}
+INT_POINTERS = {"target_ptr": "*i64", "flags_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
 
 def signature(fn):
@@ -37,6 +39,8 @@ def signature(fn):
             sig[p.name] = "fp32"
         elif p.name in FLOAT32_POINTERS:
             sig[p.name] = "*fp32"
+        elif p.name in INT_POINTERS:
+            sig[p.name] = INT_POINTERS[p.name]
         elif p.name.endswith("_ptr"):
             sig[p.name] = "*bf16"
         else:
@@ -73,19 +77,12 @@ def main():
     for block, warps in ((8192, 4), (8192, 8), (4096, 4)):
         inspect(sm._forward_split_kernel, fwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
         inspect(sm._backward_split_kernel, bwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
-    ce_fwd = {"x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32",
-              "loss_ptr": "*fp32", "stats_ptr": "*fp32", "V": "i32", "x_row_stride": "i32", "ignore_index": "i32",
-              "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
-              "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
-    ce_bwd = {"dx_ptr": "*bf16", "x_ptr": "*bf16", "target_ptr": "*i64", "weight_ptr": "*fp32",
-              "weight_total_ptr": "*fp32", "stats_ptr": "*fp32", "grad_ptr": "*fp32", "V": "i32",
-              "x_row_stride": "i32", "dx_row_stride": "i32", "grad_stride": "i32", "ignore_index": "i32",
-              "smoothing": "fp32", "z_scale": "fp32", "softcap": "fp32", "HAS_WEIGHT": "constexpr",
-              "SMOOTH": "constexpr", "SOFTCAP": "constexpr", "BLOCK": "constexpr"}
     for flags in (False, True):
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
-        inspect(ce._forward_kernel, ce_fwd, {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
-        inspect(ce._backward_kernel, ce_bwd, {**options, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
+        inspect(ce._forward_kernel, signature(ce._forward_kernel),
+                {**options, "REDUCE": 2 if flags else 0, "CHECK": flags, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
+        inspect(ce._backward_kernel, signature(ce._backward_kernel),
+                {**options, "MEAN": flags, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
     for rms in (True, False):
         flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
         for N in (1024, 4096, 8192, 16384, 32768):

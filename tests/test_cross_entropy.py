@@ -247,6 +247,25 @@ def test_unchecked_bad_target_gives_nan_not_a_wild_read(device):
     assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[good]).all()
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_bad_target_is_flagged_by_the_kernel(reduction, monkeypatch, device):
+    """The eager check: the forward kernel flags an out-of-range target, and only then is
+    the target read on the host to name it (a good target costs no host-side scan)."""
+    scans = []
+    original = ce_module._check_target_values
+    monkeypatch.setattr(ce_module, "_check_target_values", lambda *a: (scans.append(1), original(*a)))
+    x = torch.randn(5, 40, device=device, requires_grad=True)
+    good = torch.tensor([1, -100, 39, 0, 7], device=device, dtype=torch.int32)
+    pintail.cross_entropy(x, good, reduction=reduction, weight=torch.rand(40, device=device))
+    assert not scans
+    for bad, position in (([1, 2, 40, 3, 0], 2), ([-1, 2, 3, 4, -100], 0)):
+        logits = x.detach().clone()
+        with pytest.raises(IndexError, match=rf"target\[{position}\] = {bad[position]} is out of bounds"):
+            pintail.cross_entropy(logits, torch.tensor(bad, device=device), reduction=reduction, inplace_backward=True)
+        assert torch.equal(logits, x.detach())  # raised before anything was written in place
+    assert len(scans) == 2
+
+
 def test_bad_input(device):
     x = torch.randn(4, 10, device=device)
     t = torch.randint(0, 10, (4,), device=device)
