@@ -273,24 +273,31 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
 
 
 # ------------------------------------------------------------------ launch heuristics
-# Rows plans: (row length up to, elements per tile at least, warps[, programs per SM]).
-# Past the last entry a row does not fit in registers and takes the long plan.
-FORWARD_ROWS = [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)]
-BACKWARD_ROWS = [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)]
+# Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
+# warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
+# the long plan. Measured on the H200 (scripts/tune_norm.py, docs/perf-notes.md).
+FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
+                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8)]}
+BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
+                 "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 FORWARD_LONG = {"plan": "long", "BLOCK": 16384, "num_warps": 16}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 
 
-def forward_config(N):
-    for limit, tile, warps in FORWARD_ROWS:
+def _kind(rms):
+    return "rms" if rms else "layer"
+
+
+def forward_config(N, rms):
+    for limit, tile, warps in FORWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = triton.next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return FORWARD_LONG
 
 
-def backward_config(N):
-    for limit, tile, warps, per_sm in BACKWARD_ROWS:
+def backward_config(N, rms):
+    for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = triton.next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
@@ -316,7 +323,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if not (M and N):
         return y, h, mean, rstd
-    cfg = config or forward_config(N)
+    cfg = config or forward_config(N, rms)
     args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
             bias if bias is not None else x, y, mean, rstd)
     strides = (x.stride(0), residual.stride(0) if residual is not None else 0,
@@ -341,7 +348,7 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         return reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
     M, N = x.shape
     dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
-    cfg = config or backward_config(N)
+    cfg = config or backward_config(N, rms)
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
         parts = max(1, min(triton.cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))

@@ -86,11 +86,11 @@ def main():
     for rms in (True, False):
         flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
         for N in (1024, 4096, 8192, 16384, 32768):
-            cfg = norm.forward_config(N)
+            cfg = norm.forward_config(N, rms)
             inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
                     {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
         for N in (1024, 4096, 8192):
-            cfg = norm.backward_config(N)
+            cfg = norm.backward_config(N, rms)
             inspect(norm._backward_rows_kernel, signature(norm._backward_rows_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "BLOCK_M": cfg["BLOCK_M"],
                      "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])

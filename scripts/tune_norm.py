@@ -73,7 +73,7 @@ def main():
             b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = norm.forward_config(N) if direction == "fwd" else norm.backward_config(N)
+            default = norm.forward_config(N, rms) if direction == "fwd" else norm.backward_config(N, rms)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
             for cfg in configs(direction, N):
                 if direction == "fwd":

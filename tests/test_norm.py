@@ -15,8 +15,8 @@ LONG_BLOCK = 1024  # the long plan's chunk in these tests: rows of 4097 span fiv
 def plan(request, monkeypatch):
     """Both plans at test sizes: 'long' empties the rows tables and shortens the chunks."""
     if request.param == "long":
-        monkeypatch.setattr(norm_module, "FORWARD_ROWS", [])
-        monkeypatch.setattr(norm_module, "BACKWARD_ROWS", [])
+        monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "FORWARD_LONG", {**norm_module.FORWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
     return request.param
