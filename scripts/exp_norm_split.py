@@ -1,9 +1,17 @@
-"""Experiment for the next GPU session: the softmax split plan carried over to the RMSNorm
-forward over long rows (N >= 32768, where the long plan measures 0.60-0.86 of copy on the
-H200). Ticket-ordered persistent programs read slice s of row r, publish its sum of squares
+"""Experiment for the next GPU session: the softmax split plan carried over to RMSNorm over
+long rows (forward N >= 32768, where the long plan measures 0.60-0.86 of copy on the H200;
+backward N >= 16384, 0.55-0.56). Ticket-ordered persistent programs read slice s of row r, publish its sum of squares
 as a self-flagging word (pintail/softmax.py's _publish / _wait_for_row / _ticket_work; the
 low half is 1.0, so the word is never 0), and write slice s of row r - lag, re-read from L2,
 once every slice of that row has published. HBM traffic: x once, y once.
+
+The backward publishes each slice's sum of g * x^ (g = dy * w) the same way and writes dx
+lagged. Its weight gradient must come out the same on every run although tickets go to
+programs in no fixed order: rows are dealt into G groups (r mod G), and group g keeps one
+float32 accumulator row per slice column; ticket (r, s) adds its dy * x^ to acc[g, s-th
+slice] only after row r - G has (a count per (g, s), acquire / release), so every column is
+summed in row order. The wait is on a smaller ticket, held by a running program that never
+waits on a larger one: no deadlock (the softmax argument). dweight = acc.sum(0) by torch.
 
 Checks the kernel against torch first (in the interpreter too: TRITON_INTERPRET=1, small
 sizes), then on a GPU times it beside the library's current plan, as fractions of the copy
@@ -55,6 +63,63 @@ def rms_forward_split(x, w, eps, cfg):
     return y, rstd
 
 
+@triton.jit
+def rms_backward_split_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, acc_ptr, counts_ptr, slots_ptr, M, N, inv_n,
+                              x_row_stride, dy_row_stride, dx_row_stride, SLICES, LAG, GROUPS,
+                              BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = sm._ticket_work(ticket, SLICES, LAG, BLOCK)
+        slice_index = ticket % SLICES
+        new = (cols < N) & (row < M)
+        old = (cols < N) & (done >= 0)
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+        dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+        if row < M:
+            x_hat = x_new * tl.load(rstd_ptr + row)
+            sm._publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), tl.sum(dy_new * w * x_hat, axis=0))
+            # this row's dweight terms, added to its group's accumulator in row order
+            group = row % GROUPS
+            count_ptr = counts_ptr + group * SLICES + slice_index
+            turn = (row // GROUPS).to(tl.int32)
+            while tl.atomic_add(count_ptr, 0, sem="acquire") != turn:
+                pass
+            acc = acc_ptr + group * N + cols
+            tl.store(acc, tl.load(acc, mask=cols < N, other=0.0, cache_modifier=".cg") + dy_new * x_hat,
+                     mask=cols < N)
+            tl.atomic_add(count_ptr, 1, sem="release")
+
+        if done >= 0:
+            _, parts, valid = sm._wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            mean_gx = tl.sum(tl.where(valid, parts, 0.0), axis=0) * inv_n
+            rstd = tl.load(rstd_ptr + done)
+            x_hat = x_old * rstd
+            dx = rstd * (dy_old * w - x_hat * mean_gx)
+            tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
+
+
+def rms_backward_split(x, w, dy, rstd, cfg):
+    M, N = x.shape
+    dx = torch.empty_like(x)
+    slices, lag, grid, slots = sm._split_plan(M, N, cfg, x.device)
+    # enough groups that a row's turn has come by the time its ticket does (about two
+    # persistent rounds of tickets between rows r - G and r)
+    groups = max(1, min(M, triton.cdiv(2 * grid[0], slices)))
+    acc = torch.zeros(groups, N, dtype=torch.float32, device=x.device)
+    counts = torch.zeros(groups * slices, dtype=torch.int32, device=x.device)
+    rms_backward_split_kernel[grid](x, w, dy, rstd, dx, acc, counts, slots, M, N, 1.0 / N, x.stride(0), dy.stride(0),
+                                    dx.stride(0), slices, lag, groups, BLOCK=cfg["BLOCK"],
+                                    SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+    return dx, acc.sum(0)
+
+
 def check(device):
     for M, N, block in ((5, 1000, 128), (3, 4097, 1024)):
         x = torch.randn(M, N, device=device)
@@ -65,7 +130,16 @@ def check(device):
         err = (y.double() - truth).abs().max().item()
         assert err < 1e-4, f"M={M} N={N}: max error {err}"
         assert torch.allclose(rstd.double(), x.double().square().mean(1).add(1e-6).rsqrt(), rtol=1e-5)
-    print("split RMSNorm forward matches torch", flush=True)
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        dy = torch.randn(M, N, device=device)
+        truth = torch.autograd.grad(torch.nn.functional.rms_norm(x64, (N,), w64, 1e-6), (x64, w64), dy.double())
+        grads = rms_backward_split(x, w, dy, rstd, cfg)
+        for g, t in zip(grads, truth):
+            err = (g.double() - t).abs().max().item() / t.abs().max().item()
+            assert err < 1e-5, f"M={M} N={N}: backward relative error {err}"
+        again = rms_backward_split(x, w, dy, rstd, cfg)
+        assert torch.equal(again[1], grads[1]), "dweight differs between runs"
+    print("split RMSNorm forward and backward match torch", flush=True)
 
 
 def main():
@@ -78,18 +152,22 @@ def main():
     copy_bw = 4 * big.numel() / (do_bench(lambda: torch.empty_like(big).copy_(big), return_mode="median") * 1e-3)
     del big
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (32768, 131072, 262144):
+    for N in (16384, 32768, 131072, 262144):
         M = 2**27 // N
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * x.numel() * 2
-        runs = {"library": lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)}
+        dy = torch.randn_like(x)
+        _, _, _, rstd = norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)
+        runs = {"fwd library": (2, lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)),
+                "bwd library": (3, lambda: norm._backward(dy, None, x, w, False, rstd, rstd, 0.0, True, x.dtype))}
         for block, warps, per_sm, rounds in itertools.product((4096, 8192), (4, 8), (2, 4), (0.5, 1)):
             cfg = {"BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "LAG_ROUNDS": rounds}
-            runs[f"split {cfg}"] = lambda cfg=cfg: rms_forward_split(x, w, 1e-6, cfg)
-        for name, fn in runs.items():
+            runs[f"fwd split {cfg}"] = (2, lambda cfg=cfg: rms_forward_split(x, w, 1e-6, cfg))
+            if block == 4096:
+                runs[f"bwd split {cfg}"] = (3, lambda cfg=cfg: rms_backward_split(x, w, dy, rstd, cfg))
+        for name, (passes, fn) in runs.items():
             ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
-            print(f"N={N} {name}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+            print(f"N={N} {name}: {ms:.4f} ms {passes * x.numel() * 2 / (ms * 1e-3) / copy_bw:.3f}", flush=True)
 
 
 if __name__ == "__main__":
