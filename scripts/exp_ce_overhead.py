@@ -8,24 +8,15 @@ forward+backward loop: where the host time goes when V = 32768 is host-bound.
 import cProfile
 import importlib
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import pintail
+from measure import host_us
 
 ce = importlib.import_module("pintail.cross_entropy")
 
-
-def host_us(fn, calls=300):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():

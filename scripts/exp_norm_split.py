@@ -147,10 +147,8 @@ def main():
     check(device)
     if device.type != "cuda":
         return
-    from triton.testing import do_bench
-    big = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    copy_bw = 4 * big.numel() / (do_bench(lambda: torch.empty_like(big).copy_(big), return_mode="median") * 1e-3)
-    del big
+    from measure import copy_bandwidth, time_ms
+    copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     for N in (16384, 32768, 131072, 262144):
         M = 2**27 // N
@@ -166,7 +164,7 @@ def main():
             if block == 4096:
                 runs[f"bwd split {cfg}"] = (3, lambda cfg=cfg: rms_backward_split(x, w, dy, rstd, cfg))
         for name, (passes, fn) in runs.items():
-            ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+            ms = time_ms(fn)
             print(f"N={N} {name}: {ms:.4f} ms {passes * x.numel() * 2 / (ms * 1e-3) / copy_bw:.3f}", flush=True)
 
 

@@ -7,24 +7,15 @@ one call (a loop of calls on a 1-row input, then one sync).
 """
 
 import importlib
-import time
 
 import torch
 from triton.testing import do_bench
 
 import pintail
+from measure import host_us
 
 sm = importlib.import_module("pintail.softmax")
 
-
-def host_us(fn, calls=200):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():

@@ -9,16 +9,13 @@ import importlib
 import itertools
 
 import torch
-from triton.testing import do_bench
+from measure import copy_bandwidth, time_ms
 
 rot = importlib.import_module("pintail.rotary")
 
 
 def main():
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    copy_ms = do_bench(lambda: torch.empty_like(x).copy_(x), return_mode="median")
-    copy_bw = 4 * x.numel() / (copy_ms * 1e-3)
-    del x
+    copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
@@ -31,7 +28,7 @@ def main():
         rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = tile, heads, warps
         for backward in (False, True):
             fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, backward)
-            ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+            ms = time_ms(fn)
             print(f"{'bwd' if backward else 'fwd'} tile={tile} heads={heads} warps={warps}: {ms:.4f} ms "
                   f"{nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
 

@@ -11,19 +11,9 @@ import json
 import os
 
 import torch
-from triton.testing import do_bench
+from measure import copy_bandwidth, print_best, time_ms
 
 sm = importlib.import_module("pintail.softmax")
-
-
-def time_ms(fn):
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def copy_bandwidth():
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
 
 
 def configs(N):
@@ -84,16 +74,7 @@ def main():
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune_softmax.json"), "w") as f:
         json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
-    print("\nbest per shape:")
-    for direction in args.directions.split(","):
-        for N in map(int, args.sizes.split(",")):
-            rows = [r for r in results if r["direction"] == direction and r["N"] == N]
-            if not rows:
-                continue
-            best = max(rows, key=lambda r: r["fraction"])
-            default = next((r for r in rows if r["default"]), None)
-            print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
-                  f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
+    print_best(results, args.directions.split(","), list(map(int, args.sizes.split(","))))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""Shared by the tuning and experiment scripts: GPU time of a call, the copy ceiling of the
+run, host time of a call, and the best configuration per shape."""
+
+import time
+
+import torch
+
+
+def time_ms(fn, rep=40):
+    """Median GPU time of fn in ms (triton's do_bench: L2 flushed before each call)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def copy_bandwidth():
+    """Bytes per second of y.copy_(x) over 2^30 bf16 elements: the ceiling every fraction
+    is taken of (BENCHMARKS.md)."""
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
+
+
+def host_us(fn, calls=300):
+    """Host time of one call in us: a loop of calls, then one synchronisation."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def print_best(results, directions, sizes):
+    """Per direction and N: the best configuration and the library's default."""
+    print("\nbest per shape:")
+    for direction in directions:
+        for N in sizes:
+            rows = [r for r in results if r["direction"] == direction and r["N"] == N]
+            if not rows:
+                continue
+            best = max(rows, key=lambda r: r["fraction"])
+            default = next((r for r in rows if r["default"]), None)
+            print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
+                  f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
