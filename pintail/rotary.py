@@ -324,7 +324,9 @@ def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bsh
       pair, flash-attention); rotary_dim defaults to width; features past it pass through.
     - interleaved: pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim / 2) (GPT-NeoX).
     - inplace: rotate q and k in their own storage (eager; under torch.compile out of place).
-    Backward through autograd (the transpose rotation); cos and sin get no gradient.
+    Backward through autograd (the transpose rotation); cos and sin get no gradient. q and k
+    go through one launch and one autograd node: taking their gradients in two separate
+    torch.autograd.grad calls needs retain_graph=True on the first.
     Positions past the table: eager raises (position_ids and cu_seqlens are read on the host
     for that); under torch.compile or CUDA-graph capture those tokens come out NaN.
     """
