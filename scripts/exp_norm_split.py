@@ -1,5 +1,5 @@
-"""Experiment for the next GPU session: the softmax split plan carried over to RMSNorm over
-long rows (forward N >= 32768, where the long plan measures 0.60-0.86 of copy on the H200;
+"""Experiment for the next GPU session: the softmax split plan carried over to RMSNorm (forward
+and backward) and LayerNorm (forward) over long rows (forward N >= 32768, where the long plan measures 0.60-0.86 of copy on the H200;
 backward N >= 16384, 0.55-0.56). Ticket-ordered persistent programs read slice s of row r, publish its sum of squares
 as a self-flagging word (pintail/softmax.py's _publish / _wait_for_row / _ticket_work; the
 low half is 1.0, so the word is never 0), and write slice s of row r - lag, re-read from L2,
@@ -32,35 +32,62 @@ norm = importlib.import_module("pintail.norm")
 
 
 @triton.jit
-def rms_forward_split_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, slots_ptr, M, N, inv_n, eps, x_row_stride, y_row_stride,
-                             SLICES, LAG, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+def forward_split_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N, inv_n, eps, x_row_stride,
+                         y_row_stride, SLICES, LAG, RMS: tl.constexpr, BLOCK: tl.constexpr,
+                         SLICES_POW2: tl.constexpr):
+    # Published per slice: RMS (sum x^2, 1.0); LayerNorm (mean, M2) of s = x - pilot (the
+    # row's first value) over the slice, M2's lowest mantissa bit set so that the word is
+    # never 0 (a constant slice has mean 0 and M2 0; the bit adds 1.4e-45 or one ulp).
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
         row, done, cols = sm._ticket_work(ticket, SLICES, LAG, BLOCK)
-        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M), other=0.0).to(tl.float32)
+        new = (cols < N) & (row < M)
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0).to(tl.float32)
         x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0), other=0.0).to(tl.float32)
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
         if row < M:
-            sm._publish(slots_ptr, ticket, tl.sum(x_new * x_new, axis=0), tl.full((), 1.0, tl.float32))
+            if RMS:
+                sm._publish(slots_ptr, ticket, tl.sum(x_new * x_new, axis=0), tl.full((), 1.0, tl.float32))
+            else:
+                s = tl.where(new, x_new - tl.load(x_ptr + row * x_row_stride).to(tl.float32), 0.0)
+                count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK) * 1.0
+                slice_mean = tl.sum(s, axis=0) / count
+                m2 = tl.sum(tl.where(new, (s - slice_mean) * (s - slice_mean), 0.0), axis=0)
+                m2 = (m2.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                sm._publish(slots_ptr, ticket, slice_mean, m2)
         if done >= 0:
-            sums, _, valid = sm._wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
-            rstd = 1.0 / tl.sqrt(tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n + eps)
+            his, los, valid = sm._wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + done * y_row_stride + cols, (x_old * rstd * w).to(y_ptr.dtype.element_ty), mask=cols < N)
+            if RMS:
+                rstd = 1.0 / tl.sqrt(tl.sum(tl.where(valid, his, 0.0), axis=0) * inv_n + eps)
+                y = x_old * rstd * w
+            else:  # Chan et al.: merge the slices' (count, mean, M2)
+                k = tl.arange(0, SLICES_POW2)
+                counts = tl.where(valid, tl.minimum(N - k * BLOCK, BLOCK), 0) * 1.0
+                mean = tl.sum(counts * his, axis=0) * inv_n
+                m2 = tl.sum(tl.where(valid, los + counts * (his - mean) * (his - mean), 0.0), axis=0)
+                rstd = 1.0 / tl.sqrt(m2 * inv_n + eps)
+                pilot = tl.load(x_ptr + done * x_row_stride).to(tl.float32)
+                b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                y = ((x_old - pilot) - mean) * rstd * w + b
+                tl.store(mean_ptr + done, pilot + mean, mask=ticket % SLICES == 0)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
             tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
         ticket = next_ticket
 
 
-def rms_forward_split(x, w, eps, cfg):
+def forward_split(x, w, b, eps, cfg):
+    """RMSNorm (b None) or LayerNorm of rows x[M, N]: (y, mean, rstd)."""
     M, N = x.shape
     y = torch.empty_like(x)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     slices, lag, grid, slots = sm._split_plan(M, N, cfg, x.device)
-    rms_forward_split_kernel[grid](x, w, y, rstd, slots, M, N, 1.0 / N, eps, x.stride(0), y.stride(0), slices, lag,
-                                   BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices),
-                                   num_warps=cfg["num_warps"])
-    return y, rstd
+    forward_split_kernel[grid](x, w, b if b is not None else w, y, mean, rstd, slots, M, N, 1.0 / N, eps, x.stride(0),
+                               y.stride(0), slices, lag, RMS=b is None, BLOCK=cfg["BLOCK"],
+                               SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+    return y, mean, rstd
 
 
 @triton.jit
@@ -122,10 +149,15 @@ def rms_backward_split(x, w, dy, rstd, cfg):
 
 def check(device):
     for M, N, block in ((5, 1000, 128), (3, 4097, 1024)):
-        x = torch.randn(M, N, device=device)
-        w = torch.randn(N, device=device)
+        x = torch.randn(M, N, device=device) * 0.1 + 1000.0  # a large mean: LayerNorm's pilot shift
+        w, b = torch.randn(N, device=device), torch.randn(N, device=device)
         cfg = {"BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
-        y, rstd = rms_forward_split(x, w, 1e-6, cfg)
+        y, _, _ = forward_split(x, w, b, 1e-5, cfg)
+        truth = torch.nn.functional.layer_norm(x.double(), (N,), w.double(), b.double(), 1e-5)
+        err = (y.double() - truth).abs().max().item() / truth.abs().max().item()
+        assert err < 1e-3, f"LayerNorm M={M} N={N}: relative error {err}"  # x - mean keeps ~4 digits here
+        x = torch.randn(M, N, device=device)
+        y, _, rstd = forward_split(x, w, None, 1e-6, cfg)
         truth = torch.nn.functional.rms_norm(x.double(), (N,), w.double(), 1e-6)
         err = (y.double() - truth).abs().max().item()
         assert err < 1e-4, f"M={M} N={N}: max error {err}"
@@ -139,7 +171,7 @@ def check(device):
             assert err < 1e-5, f"M={M} N={N}: backward relative error {err}"
         again = rms_backward_split(x, w, dy, rstd, cfg)
         assert torch.equal(again[1], grads[1]), "dweight differs between runs"
-    print("split RMSNorm forward and backward match torch", flush=True)
+    print("split RMSNorm (forward, backward) and LayerNorm (forward) match torch", flush=True)
 
 
 def main():
@@ -157,10 +189,12 @@ def main():
         dy = torch.randn_like(x)
         _, _, _, rstd = norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)
         runs = {"fwd library": (2, lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)),
-                "bwd library": (3, lambda: norm._backward(dy, None, x, w, False, rstd, rstd, 0.0, True, x.dtype))}
+                "bwd library": (3, lambda: norm._backward(dy, None, x, w, False, rstd, rstd, 0.0, True, x.dtype)),
+                "layer fwd library": (2, lambda: norm._forward(x, None, w, w, 1e-5, 0.0, False, x.dtype))}
         for block, warps, per_sm, rounds in itertools.product((4096, 8192), (4, 8), (2, 4), (0.5, 1)):
             cfg = {"BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm, "LAG_ROUNDS": rounds}
-            runs[f"fwd split {cfg}"] = (2, lambda cfg=cfg: rms_forward_split(x, w, 1e-6, cfg))
+            runs[f"fwd split {cfg}"] = (2, lambda cfg=cfg: forward_split(x, w, None, 1e-6, cfg))
+            runs[f"layer fwd split {cfg}"] = (2, lambda cfg=cfg: forward_split(x, w, w, 1e-5, cfg))
             if block == 4096:
                 runs[f"bwd split {cfg}"] = (3, lambda cfg=cfg: rms_backward_split(x, w, dy, rstd, cfg))
         for name, (passes, fn) in runs.items():
