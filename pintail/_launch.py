@@ -14,6 +14,17 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. triton.cdiv is a constexpr function: ~5-10 us a call on the
+    host, and a call of ours makes several (scripts/exp_ce_overhead.py style profiles)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 at least n (1 for n <= 1), on the host (see cdiv)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def runs_kernels(t: torch.Tensor) -> bool:
     """CUDA tensors run the compiled kernels; CPU tensors run them in the Triton
     interpreter when TRITON_INTERPRET=1 was set before import, else the torch reference."""

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, runs_kernels, unit_stride
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -291,7 +291,7 @@ BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
 
 
 def _block(V, block):
-    return min(block, max(16, triton.next_power_of_2(V)))
+    return min(block, max(16, next_power_of_2(V)))
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -363,7 +363,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     has_weight = weight is not None
     w = weight if has_weight else stats
     block = _block(V, BACKWARD_BLOCK)
-    grid = (M, triton.cdiv(V, block))
+    grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   num_warps=BACKWARD_WARPS)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, program_slots, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, program_slots, runs_kernels, unit_stride
 
 
 # ----------------------------------------------------------------------------- forward
@@ -291,7 +291,7 @@ def _kind(rms):
 def forward_config(N, rms):
     for limit, tile, warps in FORWARD_ROWS[_kind(rms)]:
         if N <= limit:
-            block_n = triton.next_power_of_2(N)
+            block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return FORWARD_LONG
 
@@ -299,7 +299,7 @@ def forward_config(N, rms):
 def backward_config(N, rms):
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
-            block_n = triton.next_power_of_2(N)
+            block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
     return BACKWARD_LONG
@@ -331,11 +331,11 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  num_warps=cfg["num_warps"])
     if cfg["plan"] == "rows":
-        _forward_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](*args, M, N, 1.0 / N, *strides, **flags,
+        _forward_rows_kernel[(cdiv(M, cfg["BLOCK_M"]),)](*args, M, N, 1.0 / N, *strides, **flags,
                                                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     else:
         _forward_long_kernel[(M,)](*args, N, 1.0 / N, *strides, **flags,
-                                   BLOCK=min(cfg["BLOCK"], triton.next_power_of_2(N)))
+                                   BLOCK=min(cfg["BLOCK"], next_power_of_2(N)))
     return y, h, mean, rstd
 
 
@@ -351,10 +351,10 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     cfg = config or backward_config(N, rms)
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
-        parts = max(1, min(triton.cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
+        parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
     else:
-        block = min(cfg["BLOCK"], triton.next_power_of_2(max(N, 1)))
-        chunks = triton.cdiv(N, block)
+        block = min(cfg["BLOCK"], next_power_of_2(max(N, 1)))
+        chunks = cdiv(N, block)
         parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
     dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
     db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
@@ -379,7 +379,7 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
             _row_sums_kernel[(M,)](x, weight if weight is not None else x, dy, mean, rstd, sums, N, 1.0 / N,
                                    x.stride(0), dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
                                    BLOCK=block, num_warps=cfg["num_warps"])
-        _backward_chunks_kernel[(parts, chunks)](*pointers, sums, *outputs, M, N, 1.0 / N, triton.cdiv(M, parts),
+        _backward_chunks_kernel[(parts, chunks)](*pointers, sums, *outputs, M, N, 1.0 / N, cdiv(M, parts),
                                                  *strides, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
     return dx, (dw.sum(0) if dw is not None else None), (db.sum(0) if db is not None else None)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, runs_kernels, unit_stride
 
 
 @triton.jit
@@ -116,7 +116,8 @@ NUM_WARPS = 4
 
 
 def _bsh_strides(t, seq_dim):
-    return (t.stride(0), t.stride(1), t.stride(2)) if seq_dim == 1 else (t.stride(0), t.stride(2), t.stride(1))
+    stride = t.stride()
+    return (stride[0], stride[1], stride[2]) if seq_dim == 1 else (stride[0], stride[2], stride[1])
 
 
 def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
@@ -132,10 +133,10 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
     pairs = rotary_dim // 2
     full_table = cos.shape[-1] == rotary_dim
     per_token = cos.dim() == 3
-    block_p = triton.next_power_of_2(pairs)
-    block_s = max(1, min(triton.next_power_of_2(S), TILE_FEATURES // (2 * block_p)))
+    block_p = next_power_of_2(pairs)
+    block_s = max(1, min(next_power_of_2(S), TILE_FEATURES // (2 * block_p)))
     rest = D - rotary_dim
-    _rotary_kernel[(B * triton.cdiv(S, block_s),)](
+    _rotary_kernel[(B * cdiv(S, block_s),)](
         x, out, y, y_out, cos, sin, positions if positions is not None else cos, S, heads(x),
         heads(y) if second else 0, D, seq_offset, cos.shape[-2],
         *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim), *_bsh_strides(y, seq_dim),
@@ -146,7 +147,8 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
         TABLE_STEP=2 if (interleaved and full_table) else 1,
         TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
         HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),
-        BLOCK_H=HEADS_PER_STEP, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=NUM_WARPS)
+        BLOCK_H=HEADS_PER_STEP, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=next_power_of_2(max(rest, 1)),
+        num_warps=NUM_WARPS)
 
 
 # --------------------------------------------------------------- tensor-level functions

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, as_rows, canonical_dim, empty_like_rows, program_slots, runs_kernels
+from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, next_power_of_2, program_slots,
+                      runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -198,7 +199,7 @@ BACKWARD_SPLIT = {"plan": "split", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_
 def _config(N, rows_table, split):
     for limit, tile, warps in rows_table:
         if N <= limit:
-            block_n = triton.next_power_of_2(N)
+            block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return split
 
@@ -214,7 +215,7 @@ def backward_config(N):
 def _split_plan(M, N, cfg, device):
     """Slices per row, the lag in rows (at least one: a row is never written by its own
     readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
-    slices = triton.cdiv(N, cfg["BLOCK"])
+    slices = cdiv(N, cfg["BLOCK"])
     programs = program_slots(device, cfg["PROGRAMS_PER_SM"])
     lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
     grid = min((M + lag) * slices, programs)
@@ -226,7 +227,7 @@ def launch_forward(x, y, log, config=None):
     M, N = x.shape
     cfg = config or forward_config(N)
     if cfg["plan"] == "rows":
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]),)
         _forward_rows_kernel[grid](x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                    num_warps=cfg["num_warps"])
@@ -234,7 +235,7 @@ def launch_forward(x, y, log, config=None):
         slices, lag, grid, slots = _split_plan(M, N, cfg, x.device)
         _forward_split_kernel[grid](
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
 def launch_backward(y, dy, dx, log, config=None):
@@ -242,7 +243,7 @@ def launch_backward(y, dy, dx, log, config=None):
     M, N = y.shape
     cfg = config or backward_config(N)
     if cfg["plan"] == "rows":
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]),)
         _backward_rows_kernel[grid](y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                                     num_warps=cfg["num_warps"])
@@ -250,7 +251,7 @@ def launch_backward(y, dy, dx, log, config=None):
         slices, lag, grid, slots = _split_plan(M, N, cfg, y.device)
         _backward_split_kernel[grid](
             y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
 
 
 # --------------------------------------------------------------- tensor-level functions
