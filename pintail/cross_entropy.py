@@ -615,11 +615,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     softcap = 0.0 if softcap is None else softcap  # 0: none, for the kernels
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
     batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
-    x = input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(-1, C)
-    x = unit_stride(x)
+    M = 1  # rows: every dim but the classes' (explicit, not -1: C may be 0)
+    for d in (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ()):
+        M *= d
+    x = unit_stride(input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(M, C))
     if prob_target:
-        t = target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(-1, C)
-        t = unit_stride(t)
+        t = unit_stride(target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(M, C))
     else:
         t = target.reshape(-1)
     flags = None  # the kernels' out-of-range flag, read on the host after the launch

@@ -506,12 +506,11 @@ def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weigh
     N = 1
     for d in shape:
         N *= d
-    x = input.reshape(-1, N)
-    x = unit_stride(x)
-    r = None
-    if residual is not None:
-        r = residual.reshape(-1, N)
-        r = unit_stride(r)
+    M = 1
+    for d in input.shape[:input.dim() - len(shape)]:
+        M *= d
+    x = unit_stride(input.reshape(M, N))  # (M, N), not (-1, N): N may be 0
+    r = unit_stride(residual.reshape(M, N)) if residual is not None else None
     w = weight.reshape(N).contiguous() if weight is not None else None
     b = bias.reshape(N).contiguous() if bias is not None else None
     # y in the dtype of what is normalised: x, or x + residual as torch promotes it

@@ -182,6 +182,18 @@ def test_every_row_ignored(reduction, expected, device):
     assert torch.equal(x.grad, torch.zeros_like(x))  # as torch: ignored rows get no gradient, even of NaN
 
 
+def test_zero_classes(device):
+    """C = 0: every class index is out of range (torch raises too); with every row ignored
+    the mean is NaN and the rows are 0, as torch gives."""
+    x = torch.randn(3, 0, device=device, requires_grad=True)
+    with pytest.raises(IndexError, match="out of bounds"):
+        pintail.cross_entropy(x, torch.zeros(3, dtype=torch.int64, device=device))
+    ignored = torch.zeros(3, dtype=torch.int64, device=device)
+    assert torch.isnan(pintail.cross_entropy(x, ignored, ignore_index=0))
+    rows = pintail.cross_entropy(x, ignored, ignore_index=0, reduction="none")
+    assert torch.equal(rows, F.cross_entropy(x, ignored, ignore_index=0, reduction="none"))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_reduced_loss_is_deterministic(reduction, device):
     """sum / mean are reduced by whichever row program finishes last, in a fixed order: the

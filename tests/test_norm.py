@@ -167,6 +167,15 @@ def test_empty(kind, device):
     assert y.shape == (0, 16) and gx.shape == (0, 16) and torch.equal(gw, torch.zeros_like(gw))
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_zero_width_rows(kind, device):
+    """normalized_shape with a 0 in it: an empty output and gradient, as torch."""
+    x = torch.randn(4, 0, device=device, requires_grad=True)
+    y = pintail.rms_norm(x, (0,)) if kind == "rms" else pintail.layer_norm(x, (0,))
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert y.shape == (4, 0) and gx.shape == (4, 0)
+
+
 def test_eps_default_is_torchs(device):
     x = torch.randn(4, 32, device=device, dtype=torch.bfloat16) * 1e-3
     assert_matches(pintail.rms_norm(x, (32,)), F.rms_norm(x.double(), (32,), eps=torch.finfo(torch.bfloat16).eps),
