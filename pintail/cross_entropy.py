@@ -1,9 +1,11 @@
 """cross_entropy: Triton kernels, autograd, torch.library registration.
 
 The loss works on rows: logits x[M, V] (classes along a row) and a target per row. The
-kernels produce per-row results (the loss of each row and its log-sum-exp, lse); the
-reduction (none, sum, mean over kept rows or their weights) is a few torch ops on those M
-numbers, so autograd hands the backward kernel the gradient of each row's loss.
+kernels produce per-row results (the loss of each row and its log-sum-exp, lse). In eager
+mode the forward launch also reduces them (sum, or mean over kept rows or their weights: the
+last row program to finish sums the M losses in a fixed order) and the backward kernel takes
+the 0-d gradient and the mean's denominator; under torch.compile the reduction is traced
+torch ops and the backward kernel gets the gradient of each row's loss.
 
 Class-index targets, per row with target t, class weights w (all 1 without weights),
 W = sum(w), smoothing e, V classes, logp = x - lse, lse = m + log(sum_j exp(x_j - m)) with m
