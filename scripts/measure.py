@@ -31,6 +31,20 @@ def host_us(fn, calls=300):
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def record(results, direction, N, cfg, fn, nbytes, copy_bw, default):
+    """Time one configuration, append it to results and print it; a configuration that
+    fails to compile or launch (e.g. out of registers) is printed and skipped."""
+    try:
+        ms = time_ms(fn)
+    except Exception as e:
+        print(f"{direction} N={N} {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+        return
+    frac = nbytes / (ms * 1e-3) / copy_bw
+    results.append({"direction": direction, "N": N, "config": cfg, "ms": ms, "fraction": frac,
+                    "default": cfg == default})
+    print(f"{direction} N={N} {cfg}: {ms:.4f} ms {frac:.3f}{' (default)' if cfg == default else ''}", flush=True)
+
+
 def print_best(results, directions, sizes):
     """Per direction and N: the best configuration and the library's default."""
     print("\nbest per shape:")

@@ -11,7 +11,7 @@ import json
 import os
 
 import torch
-from measure import copy_bandwidth, print_best, time_ms
+from measure import copy_bandwidth, print_best, record
 
 norm = importlib.import_module("pintail.norm")
 
@@ -70,16 +70,7 @@ def main():
                     fn = lambda: norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:
                     fn = lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
-                try:
-                    ms = time_ms(fn)
-                except Exception as e:  # e.g. out of registers
-                    print(f"{direction} N={N} {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    continue
-                frac = nbytes / (ms * 1e-3) / copy_bw
-                results.append({"direction": direction, "N": N, "config": cfg, "ms": ms, "fraction": frac,
-                                "default": cfg == default})
-                print(f"{direction} N={N} {cfg}: {ms:.4f} ms {frac:.3f}{' (default)' if cfg == default else ''}",
-                      flush=True)
+                record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
             del x, dy
             torch.cuda.empty_cache()
     name = "tune_layer_norm.json" if args.layer else "tune_rms_norm.json"

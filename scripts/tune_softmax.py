@@ -11,7 +11,7 @@ import json
 import os
 
 import torch
-from measure import copy_bandwidth, print_best, time_ms
+from measure import copy_bandwidth, print_best, record
 
 sm = importlib.import_module("pintail.softmax")
 
@@ -60,16 +60,7 @@ def main():
                     fn = lambda: sm.launch_forward(x, y, args.log, cfg)
                 else:
                     fn = lambda: sm.launch_backward(y, dy, dx, args.log, cfg)
-                try:
-                    ms = time_ms(fn)
-                except Exception as e:  # e.g. out of shared memory or registers
-                    print(f"{direction} N={N} {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    continue
-                frac = nbytes / (ms * 1e-3) / copy_bw
-                results.append({"direction": direction, "N": N, "config": cfg, "ms": ms, "fraction": frac,
-                                "default": cfg == default})
-                print(f"{direction} N={N} {cfg}: {ms:.4f} ms {frac:.3f}{' (default)' if cfg == default else ''}",
-                      flush=True)
+                record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
             del x, y, dy, dx
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune_softmax.json"), "w") as f:
