@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, runs_kernels, unit_stride
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -331,11 +331,11 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, REDUCE=reduce, BLOCK=_block(V, FORWARD_BLOCK),
                   num_warps=FORWARD_WARPS)
     if prob_target:
-        _forward_probs_kernel[(M,)](x, target, w, loss, stats, mass, out, denominator, flags, M, V, x.stride(0),
-                                    target.stride(0), smoothing, z_scale, softcap, **common)
+        launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, out, denominator, flags, M, V, x.stride(0),
+               target.stride(0), smoothing, z_scale, softcap, **common)
     else:
-        _forward_kernel[(M,)](x, target, w, loss, stats, out, denominator, flags, M, V, x.stride(0),
-                              ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, CHECK=check, **common)
+        launch(_forward_kernel, (M,), x, target, w, loss, stats, out, denominator, flags, M, V, x.stride(0),
+               ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, CHECK=check, **common)
     return loss, stats, mass, out, denominator
 
 
@@ -371,13 +371,13 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
                   num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
-        _backward_probs_kernel[grid](dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
-                                     target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
-                                     **common)
+        launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
+               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
+               **common)
     else:
-        _backward_kernel[grid](dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
-                               x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
-                               SMOOTH=smoothing > 0, **common)
+        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
+               x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
+               SMOOTH=smoothing > 0, **common)
     return dx
 
 

@@ -9,7 +9,7 @@ Backward, with g = dy * w_eff:
 A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
 gradient reaching h from downstream adds to dx (and is also the residual's gradient).
 
-Kernels, two plans by row length N (tables at the end of the kernels):
+Kernels, three plans by row length N (tables at the end of the kernels):
 - rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row and
@@ -18,6 +18,9 @@ Kernels, two plans by row length N (tables at the end of the kernels):
   re-reading the row; the backward on a grid of (row blocks x column chunks), each program
   keeping its chunk's dweight / dbias in registers, after a first small kernel has computed
   each row's sums mean(g x^), mean(g) (x and dy are read twice).
+- split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
+  publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
+  x read from HBM once, y written once.
 Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
 and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
 """
@@ -26,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, program_slots, runs_kernels, unit_stride
+from . import _split as split, reference
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, program_slots, runs_kernels, unit_stride
 
 
 # ----------------------------------------------------------------------------- forward
@@ -139,6 +142,75 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, mask, x_row_stride, residual_row_stride,
+                     HAS_RESIDUAL: tl.constexpr):
+    """x, or h = x + residual rounded to h's dtype, in float32: what the norm normalises."""
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N,
+                          inv_n, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                          SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # Ticket-ordered slices (pintail/_split.py). Each slice publishes, RMS: (sum x^2, 1.0);
+    # LayerNorm: (sum s^2, sum s) of s = x - pilot (the row's first value, as in the rows
+    # plan), the first with its lowest mantissa bit set so that the word is never 0 (it adds
+    # one ulp, or 1.4e-45 to a zero). The lagged write recomputes h = x + residual from its
+    # inputs (from L2) rather than re-reading the h just stored by another program, which
+    # would need a release / acquire pair to be visible.
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        new = (cols < N) & (row < M)
+        old = (cols < N) & (done >= 0)
+        x_new = _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, new, x_row_stride, residual_row_stride,
+                                 HAS_RESIDUAL)
+        x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
+                                 HAS_RESIDUAL)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        if row < M:
+            if HAS_RESIDUAL:
+                tl.store(h_ptr + row * h_row_stride + cols, x_new.to(h_ptr.dtype.element_ty), mask=new)
+            if RMS:
+                split.publish(slots_ptr, ticket, tl.sum(x_new * x_new, axis=0), tl.full((), 1.0, tl.float32))
+            else:
+                first = _load_normalised(x_ptr, residual_ptr, h_ptr, row, 0, True, x_row_stride,
+                                         residual_row_stride, HAS_RESIDUAL)
+                s = tl.where(new, x_new - first, 0.0)
+                squares = tl.sum(s * s, axis=0)
+                squares = (squares.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                split.publish(slots_ptr, ticket, squares, tl.sum(s, axis=0))
+        if done >= 0:
+            squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            if RMS:
+                centred = x_old
+                var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
+            else:
+                pilot = _load_normalised(x_ptr, residual_ptr, h_ptr, done, 0, True, x_row_stride,
+                                         residual_row_stride, HAS_RESIDUAL)
+                shifted_mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
+                var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n - shifted_mean * shifted_mean
+                var = tl.maximum(var, 0.0)
+                centred = (x_old - pilot) - shifted_mean
+                tl.store(mean_ptr + done, pilot + shifted_mean, mask=ticket % SLICES == 0)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
+            y = centred * rstd
+            if HAS_WEIGHT:
+                y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
 
 
 # ---------------------------------------------------------------------------- backward
@@ -277,10 +349,14 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
 # the long plan. Measured on the H200 (scripts/tune_norm.py, docs/perf-notes.md).
 FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
-                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8)]}
+                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8), (32768, 32768, 32)]}
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 FORWARD_LONG = {"plan": "long", "BLOCK": 16384, "num_warps": 16}
+# Past FORWARD_LONG_UP_TO the two passes' second read misses L2 and the split plan wins.
+FORWARD_LONG_UP_TO = 32768
+FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
+                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 
 
@@ -293,7 +369,7 @@ def forward_config(N, rms):
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    return FORWARD_LONG
+    return FORWARD_LONG if N <= FORWARD_LONG_UP_TO else FORWARD_SPLIT[_kind(rms)]
 
 
 def backward_config(N, rms):
@@ -331,11 +407,15 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  num_warps=cfg["num_warps"])
     if cfg["plan"] == "rows":
-        _forward_rows_kernel[(cdiv(M, cfg["BLOCK_M"]),)](*args, M, N, 1.0 / N, *strides, **flags,
-                                                                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    elif cfg["plan"] == "long":
+        launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
+               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)))
     else:
-        _forward_long_kernel[(M,)](*args, N, 1.0 / N, *strides, **flags,
-                                   BLOCK=min(cfg["BLOCK"], next_power_of_2(N)))
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
+        launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
+               BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
     return y, h, mean, rstd
 
 
@@ -370,17 +450,17 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
                  num_warps=cfg["num_warps"])
     if cfg["plan"] == "rows":
-        _backward_rows_kernel[(parts,)](*pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
-                                        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+        launch(_backward_rows_kernel, (parts,), *pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:
             sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
-            _row_sums_kernel[(M,)](x, weight if weight is not None else x, dy, mean, rstd, sums, N, 1.0 / N,
-                                   x.stride(0), dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
-                                   BLOCK=block, num_warps=cfg["num_warps"])
-        _backward_chunks_kernel[(parts, chunks)](*pointers, sums, *outputs, M, N, 1.0 / N, cdiv(M, parts),
-                                                 *strides, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
+            launch(_row_sums_kernel, (M,), x, weight if weight is not None else x, dy, mean, rstd, sums, N, 1.0 / N,
+                   x.stride(0), dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
+                   BLOCK=block, num_warps=cfg["num_warps"])
+        launch(_backward_chunks_kernel, (parts, chunks), *pointers, sums, *outputs, M, N, 1.0 / N, cdiv(M, parts),
+               *strides, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
     return dx, (dw.sum(0) if dw is not None else None), (db.sum(0) if db is not None else None)
 
 

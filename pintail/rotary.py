@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, next_power_of_2, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, runs_kernels, unit_stride
 
 
 @triton.jit
@@ -136,7 +136,8 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
     block_p = next_power_of_2(pairs)
     block_s = max(1, min(next_power_of_2(S), TILE_FEATURES // (2 * block_p)))
     rest = D - rotary_dim
-    _rotary_kernel[(B * cdiv(S, block_s),)](
+    launch(
+        _rotary_kernel, (B * cdiv(S, block_s),),
         x, out, y, y_out, cos, sin, positions if positions is not None else cos, S, heads(x),
         heads(y) if second else 0, D, seq_offset, cos.shape[-2],
         *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim), *_bsh_strides(y, seq_dim),

@@ -7,29 +7,18 @@ writes dx. Every kernel here moves each of those once through HBM.
 Two plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
-- split: N is too long for one program. The row is cut into slices of BLOCK elements and
-  each program does two jobs, `lag` rows apart:
-    read:  slice s of row r from HBM; publish its partial (max, sum of exp) and count
-           the arrival of row r;
-    write: slice s of row r - lag; wait until all slices of that row have arrived,
-           combine its partials into the log-sum-exp, re-read the slice (from L2: it was
-           read from HBM only `lag` rows ago) and write the output.
-  Programs take their work from a ticket counter (an atomic at entry), not from
-  program_id, so a program only ever waits for work whose ticket is smaller, taken by a
-  program already running that itself never waits on larger tickets: no deadlock,
-  whatever the dispatch order or how many programs fit on the GPU (the idea of the
-  decoupled look-back in single-pass prefix scans). In the interpreter, programs run one
-  after another in ticket order, so every wait is over before it starts.
-  HBM traffic: x read once, y written once. The lag is picked so that the waits are rare
-  (more tickets than programs in flight) and the lagged rows still fit in L2.
+- split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
+  output written `lag` rows behind the reads). Each slice publishes its (max, sum of
+  exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
+  once, y written once.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from . import reference
-from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, next_power_of_2, program_slots,
+from . import _split as split, reference
+from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
                       runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -61,43 +50,13 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
 
 
 @triton.jit
-def _publish(slots_ptr, ticket, hi, lo):
-    """Publish two float32 as one 64-bit word: the word is its own arrival flag (never 0
-    once written: see the callers), so no fence orders it against anything else."""
-    word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
-        (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-    tl.atomic_xchg(slots_ptr + 1 + ticket, word, sem="relaxed")
-
-
-@triton.jit
-def _wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
-    """The published words of all slices of `row`, once every one is there, unpacked."""
-    k = tl.arange(0, SLICES_POW2)
-    ptrs = slots_ptr + 1 + row * SLICES + k
-    words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
-    while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
-        words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
-    hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo, k < SLICES
-
-
-@triton.jit
-def _ticket_work(ticket, SLICES, LAG, BLOCK: tl.constexpr):
-    """Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG
-    before (`done`; negative: nothing to write yet)."""
-    row = ticket // SLICES
-    return row, row - LAG, (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
-
-
-@triton.jit
 def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
-        row, done, cols = _ticket_work(ticket, SLICES, LAG, BLOCK)
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
         x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
                         other=-float("inf")).to(tl.float32)
@@ -110,11 +69,11 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
             # holds at least one element, so sum >= 1, or max = -inf when all are -inf.
             slice_max = tl.max(x_new, axis=0)
             shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
-            _publish(slots_ptr, ticket, slice_max, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
+            split.publish(slots_ptr, ticket, slice_max, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
 
         if done >= 0:
             # Write: row `done`, once all of its slices are published (tickets below ours).
-            maxes, sums, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            maxes, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
             log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             # y = (x - max) - log(total), or its exp; x - max first, as it is exact
@@ -155,7 +114,7 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
-        row, done, cols = _ticket_work(ticket, SLICES, LAG, BLOCK)
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
         dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
@@ -169,10 +128,10 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
         if row < M:
-            _publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
+            split.publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
 
         if done >= 0:
-            _, parts, valid = _wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            _, parts, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
             if LOG:
                 dx = dy_old - tl.exp2(y_old * LOG2E) * total
@@ -212,28 +171,19 @@ def backward_config(N):
     return _config(N, BACKWARD_ROWS, BACKWARD_SPLIT)
 
 
-def _split_plan(M, N, cfg, device):
-    """Slices per row, the lag in rows (at least one: a row is never written by its own
-    readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
-    slices = cdiv(N, cfg["BLOCK"])
-    programs = program_slots(device, cfg["PROGRAMS_PER_SM"])
-    lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
-    grid = min((M + lag) * slices, programs)
-    return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)
-
-
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
     cfg = config or forward_config(N)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
-        _forward_rows_kernel[grid](x, y, M, N, x.stride(0), y.stride(0), LOG=log,
-                                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                   num_warps=cfg["num_warps"])
+        launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
     else:
-        slices, lag, grid, slots = _split_plan(M, N, cfg, x.device)
-        _forward_split_kernel[grid](
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
+        launch(
+            _forward_split_kernel, grid,
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
 
@@ -244,12 +194,13 @@ def launch_backward(y, dy, dx, log, config=None):
     cfg = config or backward_config(N)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
-        _backward_rows_kernel[grid](y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
-                                    BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                    num_warps=cfg["num_warps"])
+        launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
     else:
-        slices, lag, grid, slots = _split_plan(M, N, cfg, y.device)
-        _backward_split_kernel[grid](
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)
+        launch(
+            _backward_split_kernel, grid,
             y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
 

@@ -36,18 +36,22 @@ def configs(direction, N):
     if N >= 16384:
         for block in (4096, 8192, 16384):
             for warps in (8, 16):
-                if direction == "fwd":
+                if direction == "fwd" and N <= 32768:
                     out.append({"plan": "long", "BLOCK": block, "num_warps": warps})
                 elif block <= 8192:
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                             for per_sm in (2, 4)]
+    if direction == "fwd" and N >= 32768:
+        for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
+            out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
+                     "LAG_ROUNDS": lag} for per_sm in (2, 4) for lag in (0.5, 1)]
     return out
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,131072,262144")
+    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
     args = p.parse_args()

@@ -8,17 +8,22 @@ import pintail
 from helpers import DTYPES, assert_matches
 
 norm_module = importlib.import_module("pintail.norm")
-LONG_BLOCK = 1024  # the long plan's chunk in these tests: rows of 4097 span five chunks
+LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 4097 span five chunks
 
 
-@pytest.fixture(params=["rows", "long"])
+@pytest.fixture(params=["rows", "long", "split"])
 def plan(request, monkeypatch):
-    """Both plans at test sizes: 'long' empties the rows tables and shortens the chunks."""
-    if request.param == "long":
+    """Every plan at test sizes: 'long' empties the rows tables and shortens the chunks;
+    'split' does too and sends the forward to the split plan (the backward takes 'long')."""
+    if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "FORWARD_LONG", {**norm_module.FORWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
+        monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
+                            {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
+    if request.param == "split":
+        monkeypatch.setattr(norm_module, "FORWARD_LONG_UP_TO", 0)
     return request.param
 
 
