@@ -9,7 +9,7 @@ import torch
 def time_ms(fn, rep=40):
     """Median GPU time of fn in ms (triton's do_bench: L2 flushed before each call)."""
     from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    return do_bench(fn, warmup=200, rep=rep, return_mode="median")  # 200 ms: clocks up after an idle pause
 
 
 def copy_bandwidth():
