@@ -355,7 +355,11 @@ BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32
 FORWARD_LONG = {"plan": "long", "BLOCK": 16384, "num_warps": 16}
 # Past FORWARD_LONG_UP_TO the two passes' second read misses L2 and the split plan wins.
 FORWARD_LONG_UP_TO = 32768
+# The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
+# 4 warps) RMSNorm takes 8 warps, 2 programs per SM.
 FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
+                 "rms+residual": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2,
+                                  "LAG_ROUNDS": 0.5},
                  "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 
@@ -364,12 +368,14 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
-def forward_config(N, rms):
+def forward_config(N, rms, residual=False):
     for limit, tile, warps in FORWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    return FORWARD_LONG if N <= FORWARD_LONG_UP_TO else FORWARD_SPLIT[_kind(rms)]
+    if N <= FORWARD_LONG_UP_TO:
+        return FORWARD_LONG
+    return FORWARD_SPLIT[_kind(rms) + ("+residual" if residual else "")]
 
 
 def backward_config(N, rms):
@@ -399,7 +405,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if not (M and N):
         return y, h, mean, rstd
-    cfg = config or forward_config(N, rms)
+    cfg = config or forward_config(N, rms, residual is not None)
     args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
             bias if bias is not None else x, y, mean, rstd)
     strides = (x.stride(0), residual.stride(0) if residual is not None else 0,

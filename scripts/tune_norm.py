@@ -2,7 +2,7 @@
 weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
-    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer]
+    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
 """
 
 import argparse
@@ -36,7 +36,7 @@ def configs(direction, N):
     if N >= 16384:
         for block in (4096, 8192, 16384):
             for warps in (8, 16):
-                if direction == "fwd" and N <= 32768:
+                if direction == "fwd":
                     out.append({"plan": "long", "BLOCK": block, "num_warps": warps})
                 elif block <= 8192:
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
@@ -54,6 +54,7 @@ def main():
     p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
+    p.add_argument("--residual", action="store_true", help="rms_norm with a fused residual (forward only)")
     args = p.parse_args()
     rms = not args.layer
     copy_bw = copy_bandwidth()
@@ -67,17 +68,19 @@ def main():
             b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = norm.forward_config(N, rms) if direction == "fwd" else norm.backward_config(N, rms)
-            nbytes = (2 if direction == "fwd" else 3) * M * N * 2
+            default = norm.forward_config(N, rms, args.residual) if direction == "fwd" else norm.backward_config(N, rms)
+            residual = torch.randn_like(x) if args.residual else None
+            nbytes = (2 if direction == "fwd" else 3) * M * N * 2 * (2 if args.residual else 1)
             for cfg in configs(direction, N):
                 if direction == "fwd":
-                    fn = lambda: norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
+                    fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:
                     fn = lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
                 record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
-            del x, dy
+            del x, dy, residual
             torch.cuda.empty_cache()
-    name = "tune_layer_norm.json" if args.layer else "tune_rms_norm.json"
+    name = "tune_layer_norm.json" if args.layer else "tune_rms_norm_residual.json" if args.residual else \
+        "tune_rms_norm.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
     print_best(results, args.directions.split(","), list(map(int, args.sizes.split(","))))

@@ -101,7 +101,10 @@ def test_rows(kind, dtype, N, affine, plan, device):
 def test_wide_rows(kind, N, device):
     """The default plans at the widths where they change: the widest rows in registers, and past them."""
     x = torch.randn(3, N, device=device, dtype=torch.bfloat16)
-    check(kind, x, (N,), torch.randn(N, device=device, dtype=torch.bfloat16))
+    weight = torch.randn(N, device=device, dtype=torch.bfloat16)
+    check(kind, x, (N,), weight)
+    if kind == "rms":  # with a residual: its own split launch configuration
+        check(kind, x, (N,), weight, residual=torch.randn_like(x))
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
