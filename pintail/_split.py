@@ -27,13 +27,12 @@ from ._launch import cdiv, program_slots
 
 
 @triton.jit
-def publish(slots_ptr, index, hi, lo):
-    """Publish two float32 as one 64-bit word, the word of (row, slice) at index
-    row * SLICES + slice (the ticket, for tickets of one row): the word is its own arrival
-    flag (never 0 once written: see the callers), so no fence orders it against anything else."""
+def publish(slots_ptr, ticket, hi, lo):
+    """Publish two float32 as one 64-bit word: the word is its own arrival flag (never 0
+    once written: see the callers), so no fence orders it against anything else."""
     word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
         (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-    tl.atomic_xchg(slots_ptr + 1 + index, word, sem="relaxed")
+    tl.atomic_xchg(slots_ptr + 1 + ticket, word, sem="relaxed")
 
 
 @triton.jit
@@ -51,19 +50,17 @@ def wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
 
 @triton.jit
 def ticket_work(ticket, SLICES, LAG, BLOCK: tl.constexpr):
-    """Ticket t: read slice t % SLICES of row (or block of rows) t // SLICES, write that
-    slice of the row LAG before (`done`; negative: nothing to write yet)."""
+    """Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG
+    before (`done`; negative: nothing to write yet)."""
     row = ticket // SLICES
     return row, row - LAG, (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
 
 
-def split_plan(M, N, cfg, device, rows_per_ticket=1):
-    """Slices per row, the lag in tickets' rows (blocks of rows_per_ticket rows; at least
-    one: a row is never written by its own readers), the persistent grid, and the zeroed
-    slots: [next ticket, a word per (row, slice)]."""
+def split_plan(M, N, cfg, device):
+    """Slices per row, the lag in rows (at least one: a row is never written by its own
+    readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
     slices = cdiv(N, cfg["BLOCK"])
-    blocks = cdiv(M, rows_per_ticket)
     programs = program_slots(device, cfg["PROGRAMS_PER_SM"])
-    lag = max(1, min(blocks, int(cfg["LAG_ROUNDS"] * programs) // slices))
-    grid = min((blocks + lag) * slices, programs)
+    lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
+    grid = min((M + lag) * slices, programs)
     return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)

@@ -344,79 +344,6 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
         tl.store(db_ptr + block.to(tl.int64) * N + cols, db, mask=mask)
 
 
-@triton.jit
-def _backward_split_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, slots_ptr,
-                           M, N, inv_n, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
-                           SLICES, LAG, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           HAS_DH: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                           SLICES_POW2: tl.constexpr):
-    # Ticket-ordered slices (pintail/_split.py) of blocks of ROWS rows: ticket (block b,
-    # slice s) walks the block's rows, reading row j of block b and publishing its sums, and
-    # writing dx of row j of block b - LAG, re-read from L2 once every slice of that row has
-    # published. Published: RMS (1.0, sum g x^); LayerNorm (sum g, sum g x^ with its lowest
-    # mantissa bit set, so that the word is never 0: one ulp, where the same on sum g would
-    # leave a row of one element a gradient of rstd * ulp instead of 0). dweight / dbias of
-    # the slice are summed over the block's rows in registers, in row order, and written as
-    # one float32 partial row per ticket, summed by torch: the same on every run, whichever
-    # program took the ticket.
-    blocks = tl.cdiv(M, ROWS)
-    end = (blocks + LAG) * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
-    while ticket < end:
-        block, done_block, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
-        slice_index = ticket % SLICES
-        col_mask = cols < N
-        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
-        if HAS_WEIGHT:
-            w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
-        dw = tl.zeros([BLOCK], dtype=tl.float32)
-        db = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in range(ROWS):
-            row = block * ROWS + j
-            done = done_block * ROWS + j
-            new = col_mask & (row < M)
-            old = col_mask & (done >= 0) & (done < M)
-            x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0).to(tl.float32)
-            dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
-            x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0).to(tl.float32)
-            dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
-            if row < M:
-                if RMS:
-                    x_hat = x_new * tl.load(rstd_ptr + row)
-                else:
-                    x_hat = tl.where(new, x_new - tl.load(mean_ptr + row), 0.0) * tl.load(rstd_ptr + row)
-                g = dy_new * w_eff if HAS_WEIGHT else dy_new
-                sum_gx = tl.sum(g * x_hat, axis=0)
-                if RMS:
-                    split.publish(slots_ptr, row * SLICES + slice_index, tl.full((), 1.0, tl.float32), sum_gx)
-                else:
-                    sum_gx = (sum_gx.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
-                    split.publish(slots_ptr, row * SLICES + slice_index, tl.sum(g, axis=0), sum_gx)
-                dw += dy_new * x_hat
-                db += dy_new
-            if (done >= 0) & (done < M):
-                sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
-                rstd = tl.load(rstd_ptr + done)
-                if RMS:
-                    x_hat = x_old * rstd
-                else:
-                    x_hat = tl.where(old, x_old - tl.load(mean_ptr + done), 0.0) * rstd
-                g = dy_old * w_eff if HAS_WEIGHT else dy_old
-                dx = g - x_hat * (tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n)
-                if not RMS:
-                    dx -= tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n
-                dx *= rstd
-                if HAS_DH:
-                    dx += tl.load(dh_ptr + done * dh_row_stride + cols, mask=old, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=old)
-        if block < blocks:
-            if HAS_WEIGHT:
-                tl.store(dw_ptr + block * N + cols, dw, mask=col_mask)
-            if HAS_BIAS:
-                tl.store(db_ptr + block * N + cols, db, mask=col_mask)
-        ticket = next_ticket
-
-
 # ------------------------------------------------------------------ launch heuristics
 # Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
@@ -436,9 +363,6 @@ FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRA
                                   "LAG_ROUNDS": 1},
                  "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
-# Past BACKWARD_LONG_UP_TO the backward takes the split plan.
-BACKWARD_LONG_UP_TO = 8192
-BACKWARD_SPLIT = {"plan": "split", "ROWS": 8, "BLOCK": 4096, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 
 
 def _kind(rms):
@@ -461,7 +385,7 @@ def backward_config(N, rms):
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
-    return BACKWARD_LONG if N <= BACKWARD_LONG_UP_TO else BACKWARD_SPLIT
+    return BACKWARD_LONG
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -515,8 +439,6 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
         parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
-    elif cfg["plan"] == "split":
-        parts = max(1, cdiv(M, cfg["ROWS"]))
     else:
         block = min(cfg["BLOCK"], next_power_of_2(max(N, 1)))
         chunks = cdiv(N, block)
@@ -537,10 +459,6 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     if cfg["plan"] == "rows":
         launch(_backward_rows_kernel, (parts,), *pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
-    elif cfg["plan"] == "split":
-        slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device, cfg["ROWS"])
-        launch(_backward_split_kernel, grid, *pointers, *outputs, slots, M, N, 1.0 / N, *strides, slices, lag,
-               **flags, ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:

@@ -19,7 +19,7 @@ norm = importlib.import_module("pintail.norm")
 def configs(direction, N):
     out = []
     block_n = 1 << (N - 1).bit_length()
-    rows_limit = 32768 if direction == "fwd" else 8192
+    rows_limit = 32768 if direction == "fwd" else 16384
     if N <= rows_limit:
         for tile in sorted({block_n, 2048, 4096, 8192, 16384}):
             if tile < block_n:
@@ -33,14 +33,14 @@ def configs(direction, N):
                     out.append(cfg)
                 elif tile <= 8192:
                     out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
-    if direction == "fwd" and N >= 16384:
-        out += [{"plan": "long", "BLOCK": block, "num_warps": warps} for block in (4096, 8192, 16384)
-                for warps in (8, 16)]
-    if direction == "bwd" and N >= 16384:
-        out.append(norm.BACKWARD_LONG)  # the long plan's configuration (swept in session 2)
-        for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2)):
-            out += [{"plan": "split", "ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
-                     "LAG_ROUNDS": 1} for rows in (4, 8, 16)]
+    if N >= 16384:
+        for block in (4096, 8192, 16384):
+            for warps in (8, 16):
+                if direction == "fwd":
+                    out.append({"plan": "long", "BLOCK": block, "num_warps": warps})
+                elif block <= 8192:
+                    out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+                            for per_sm in (2, 4)]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
