@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# One call of the device tool: the test suite compiled on the GPU, then the benchmark.
+# One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
-#   bash scripts/device_run.sh [bench options, e.g. --ops cross_entropy]
+#   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
+#   bash scripts/device_run.sh tests-b     # rotary, softmax (~1.5 min)
+#   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests --device cuda -o addopts="" -q -rf -p no:cacheprovider \
-    -p no:logging > "$OUT/tests.log" 2>&1
-timeout "${BENCH_TIMEOUT:-330}" python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
-grep -E "^\|" "$OUT/bench.log"
+mode=$1
+shift
+pytest_cuda() {
+    timeout 540 python3 -m pytest "$@" --device cuda -o addopts="" -q -rf -p no:cacheprovider -p no:warnings \
+        > "$OUT/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
+}
+case $mode in
+    tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py tests/test_norm.py ;;
+    tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py ;;
+    bench)
+        timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+        grep -E "^\|" "$OUT/bench.log" ;;
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options]"; exit 2 ;;
+esac

@@ -87,6 +87,8 @@ def main():
         flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
         for N in (1024, 4096, 8192, 16384, 32768):
             cfg = norm.forward_config(N, rms)
+            if cfg["plan"] != "rows":
+                continue
             inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
                     {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
         for N in (1024, 4096, 8192):
@@ -96,6 +98,9 @@ def main():
                      "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
         inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
                 {**flags, "BLOCK": norm.FORWARD_LONG["BLOCK"]}, norm.FORWARD_LONG["num_warps"])
+        split_cfg = norm.forward_config(262144, rms, residual=rms)
+        inspect(norm._forward_split_kernel, signature(norm._forward_split_kernel),
+                {**flags, "BLOCK": split_cfg["BLOCK"], "SLICES_POW2": 32}, split_cfg["num_warps"])
         for one_chunk in (True, False):
             inspect(norm._backward_chunks_kernel, signature(norm._backward_chunks_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "ONE_CHUNK": one_chunk,
