@@ -28,7 +28,7 @@ def _matrix(M, N, dtype, device):
     return (torch.randn(M, N, device=device, dtype=dtype),), ()
 
 
-CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000)]   # the last is past the on-chip limit
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 40000)]   # the last takes every op's plan for long rows
 
 
 @dataclass
