@@ -31,17 +31,17 @@ _TRITON_3_6 = triton.__version__.startswith("3.6.")
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs) with a quarter of the host time on a GPU.
+    """kernel[grid](*args, **kwargs), with less host time on a GPU.
 
     Triton's own launch re-reads its settings from the environment, checks the kernel's
-    globals and looks up the stream through its driver on every call: 36 us a launch on the
-    H200 machine, against 7 us for the compiled kernel's launcher alone
-    (scripts/exp_host_gaps.py), and the bench's small steps are host-bound. Here Triton's
-    binder still computes the specialisation (dtypes, 16-byte alignment, integers equal to
-    1 or divisible by 16), so a cached kernel is only reused where Triton would reuse it;
-    launch hooks (knobs.runtime.launch_enter_hook) are not called. The interpreter takes
-    the ordinary path, and so does a Triton other than 3.6, whose internals this is written
-    against."""
+    globals and looks up the device and stream through its driver on every call. On the
+    H200 machine (scripts/exp_host_gaps.py) that took 29-36 us a launch, this function 23 us,
+    and the compiled kernel's launcher alone 7-10 us. The rest is Triton's binder, kept
+    because it computes the specialisation (dtypes, 16-byte alignment, integers equal to 1
+    or divisible by 16), so that a cached kernel is only reused where Triton would reuse
+    it. Launch hooks (knobs.runtime.launch_enter_hook) are not called. The interpreter
+    takes the ordinary path, and so does a Triton other than 3.6, whose internals this is
+    written against."""
     if INTERPRET or not _TRITON_3_6:
         kernel[grid](*args, **kwargs)
         return
