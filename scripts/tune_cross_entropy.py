@@ -1,0 +1,56 @@
+"""Sweep the cross-entropy launch configurations on a GPU: M = 4096 rows of bf16 logits,
+class-index targets, reduction mean (the BENCHMARKS.md shapes); the forward kernel (the
+loss) and the backward kernel (the gradient) launched directly, as fractions of the copy
+bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradient,
+2*M*V*elem). At V = 32768 the forward kernel alone measured ~0.85 (74 us in the profiler,
+session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an online loop.
+
+    python scripts/tune_cross_entropy.py [--sizes 32768,131072]
+"""
+
+import argparse
+import importlib
+import itertools
+
+import torch
+from measure import copy_bandwidth, print_best, record
+
+ce = importlib.import_module("pintail.cross_entropy")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="32768,131072,262144")
+    args = p.parse_args()
+    sizes = list(map(int, args.sizes.split(",")))
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    results = []
+    default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS), "bwd": (ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS)}
+    for V in sizes:
+        M = 4096
+        x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
+        target = torch.randint(0, V, (M,), device="cuda")
+        _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
+        grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
+        for block, warps in itertools.product((4096, 8192, 16384, 32768), (4, 8, 16)):
+            if block // (32 * warps) > 64:  # more than 64 elements a thread: spills
+                continue
+            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = block, warps
+            record(results, "fwd", V, (block, warps),
+                   lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                   M * V * 2, copy_bw, default["fwd"])
+            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
+            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
+            record(results, "bwd", V, (block, warps),
+                   lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                                        denominator),
+                   2 * M * V * 2, copy_bw, default["bwd"])
+            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = default["bwd"]
+        del x
+        torch.cuda.empty_cache()
+    print_best(results, ["fwd", "bwd"], sizes)
+
+
+if __name__ == "__main__":
+    main()
