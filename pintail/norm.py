@@ -347,7 +347,8 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
 # ------------------------------------------------------------------ launch heuristics
 # Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
-# the long plan. Measured on the H200 (scripts/tune_norm.py, docs/perf-notes.md).
+# the long plan (the forward: the split plan past FORWARD_LONG_UP_TO). Measured on the H200
+# (scripts/tune_norm.py, docs/perf-notes.md).
 FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
                 "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8), (32768, 32768, 32)]}
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
