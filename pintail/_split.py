@@ -17,13 +17,26 @@ output written once; the lag keeps waits rare (more tickets than programs in fli
 the lagged rows still fit in L2.
 
 slots: [next ticket, one word per (row, slice)], zeroed before the launch.
+
+The own-row variant (softmax backward) has no lag: a program keeps its ticket's slice in
+registers, waits for the other slices of that same row, and writes the slice's output
+from registers (no L2 re-read). Before it waits it takes its next ticket, loads that slice
+and publishes its partials, so every ticket a running program holds is published without
+waiting on anything. A wait can then only stall on tickets nobody has taken yet; tickets
+are taken in order, so that needs every running program's two tickets inside the row
+waited on: impossible while more programs run than half a row's slices (the plans keep
+slices <= 64; a GPU runs at least one program per SM). Programs not yet running (the SMs
+busy with another kernel) only delay the row until they start. The interpreter runs one
+program at a time, which can only wait on slices it took itself: there rows are cut into
+at most two slices.
+slots: [next ticket, one word per (row, slice), a spare word for tickets past the end].
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, program_slots
+from ._launch import INTERPRET, cdiv, next_power_of_2, program_slots
 
 
 @triton.jit
@@ -33,6 +46,13 @@ def publish(slots_ptr, ticket, hi, lo):
     word = (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
         (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     tl.atomic_xchg(slots_ptr + 1 + ticket, word, sem="relaxed")
+
+
+@triton.jit
+def publish_own(slots_ptr, ticket, end, partial):
+    """Own-row plan: publish (1.0, partial) for `ticket`; tickets past the end (a program's
+    last, empty one) write the spare word after the rows'. 1.0: the word is never 0."""
+    publish(slots_ptr, tl.minimum(ticket, end), tl.full((), 1.0, tl.float32), partial)
 
 
 @triton.jit
@@ -64,3 +84,12 @@ def split_plan(M, N, cfg, device):
     lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
     grid = min((M + lag) * slices, programs)
     return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)
+
+
+def own_row_plan(M, N, cfg, device):
+    """Slice length, slices per row (at most two in the interpreter: see above), the
+    persistent grid and the zeroed slots of the own-row plan."""
+    block = cfg["BLOCK"] if not INTERPRET else max(cfg["BLOCK"], next_power_of_2(cdiv(N, 2)))
+    slices = cdiv(N, block)
+    grid = min(M * slices, program_slots(device, cfg["PROGRAMS_PER_SM"]))
+    return block, slices, (grid,), torch.zeros(2 + M * slices, dtype=torch.int64, device=device)

@@ -11,6 +11,10 @@ Two plans, picked by row length N:
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
   once, y written once.
+- own row (softmax backward, rows of 32769 to 524288): ticket-ordered slices too, but a
+  program keeps its slice of y and dy in registers, publishes the slice's partial sum, and
+  writes dx of that same slice once the row's other slices have published
+  (pintail/_split.py). No L2 re-read: 0.82-0.84 of copy against the lagged plan's 0.80-0.81.
 """
 
 import torch
@@ -141,6 +145,47 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         ticket = next_ticket
 
 
+@triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 fails Triton 3.6's compile
+def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                             SLICES, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # Per ticket (row, slice): the slice's sum(dy) (log_softmax) or sum(y * dy), published
+    # as soon as the slice is loaded; the slice's dx once its row is complete. Each program
+    # holds two tickets: the one it waits on and the next, whose partial it has published
+    # before it waits (_split.py: why that cannot deadlock).
+    end = M * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    row = ticket // SLICES
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
+    dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
+    split.publish_own(slots_ptr, ticket, end, _partial(y_raw, dy_raw, LOG))
+    while ticket < end:
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        next_row = next_ticket // SLICES
+        next_cols = (next_ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        next_mask = (next_cols < N) & (next_row < M)
+        y_next = tl.load(y_ptr + next_row * y_row_stride + next_cols, mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + next_row * dy_row_stride + next_cols, mask=next_mask, other=0.0)
+        split.publish_own(slots_ptr, next_ticket, end, _partial(y_next, dy_next, LOG))
+        _, parts, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+        total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
+        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)  # recomputed: not carried in registers
+        y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (dy - total)
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        ticket, row, y_raw, dy_raw = next_ticket, next_row, y_next, dy_next
+
+
+@triton.jit
+def _partial(y_raw, dy_raw, LOG: tl.constexpr):
+    if LOG:
+        return tl.sum(dy_raw.to(tl.float32), axis=0)
+    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=0)
+
+
 # ------------------------------------------------------------------ launch heuristics
 # Measured on the H200, bf16, M*N = 2^27 (docs/perf-notes.md, scripts/tune_softmax.py).
 # Rows plan: (row length up to, elements per program at least, warps). Past the last
@@ -152,7 +197,16 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16
 # are programs, so a row's readers have finished when its writers come, and the lagged
 # slices are still in L2; two rounds fell out of L2, half a round waited).
 FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
-BACKWARD_SPLIT = {"plan": "split", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
+# Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
+# - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
+#   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
+#   need more than 64 slices (_split.py: the own-row plan needs more programs running than
+#   half a row's slices) and the lagged plan takes it (0.81 at 262144 with this config).
+# - log_softmax: the lagged plan. Its new slice needs dy alone (the partial is sum(dy)), so
+#   only dy is re-read from L2: 0.90-0.91 at 131072-262144, against own row's 0.81-0.84.
+BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
+BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
+LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
 
 
 def _config(N, rows_table, split):
@@ -167,8 +221,12 @@ def forward_config(N):
     return _config(N, FORWARD_ROWS, FORWARD_SPLIT)
 
 
-def backward_config(N):
-    return _config(N, BACKWARD_ROWS, BACKWARD_SPLIT)
+def backward_config(N, log):
+    cfg = _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT)
+    for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
+        if N <= limit:
+            return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+    return cfg
 
 
 def launch_forward(x, y, log, config=None):
@@ -191,11 +249,16 @@ def launch_forward(x, y, log, config=None):
 def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
-    cfg = config or backward_config(N)
+    cfg = config or backward_config(N, log)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "own_row":
+        block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
+        launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),
+               slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices),
                num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)

@@ -18,6 +18,15 @@ from measure import host_us
 ce = importlib.import_module("pintail.cross_entropy")
 
 
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
 
 def main():
     M, V = 8, 32768
@@ -33,6 +42,10 @@ def main():
     def torch_step():
         torch.autograd.grad(F.cross_entropy(x, t), x)
 
+    _, stats, mass, _, denominator = ce._launch_forward(xd, t, None, *options, "mean")
+    grad = torch.ones((), device="cuda", dtype=x.dtype)
+    identity = Identity.apply(x)
+    dy = torch.randn_like(identity)
     layers = {
         "forward rows (kernel + allocations)": lambda: ce._forward(xd, t, None, *options),
         "torch.empty x3": lambda: (torch.empty(M, device="cuda"), torch.empty(M, 2, device="cuda"),
@@ -41,11 +54,19 @@ def main():
         "pintail forward (unchecked)": lambda: pintail.cross_entropy(x, t, check_target=False),
         "pintail forward (checked)": lambda: pintail.cross_entropy(x, t),
         "pintail fwd+bwd (unchecked)": step,
+        "backward rows (kernel + allocation)": lambda: ce._backward(grad, xd, t, None, stats, mass, *options, False,
+                                                                   denominator),
+        "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "autograd.grad of an identity Function": lambda: torch.autograd.grad(identity, x, dy, retain_graph=True),
         "torch forward": lambda: F.cross_entropy(x, t),
         "torch fwd+bwd": torch_step,
     }
     for name, fn in layers.items():
         print(f"{name}: {host_us(fn):.1f} us host per call", flush=True)
+    with torch.autograd.set_multithreading_enabled(False):  # backward on this thread: no hand-off
+        print(f"pintail fwd+bwd (unchecked), engine single-threaded: {host_us(step):.1f} us", flush=True)
+        print(f"torch fwd+bwd, engine single-threaded: {host_us(torch_step):.1f} us", flush=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):

@@ -16,7 +16,7 @@ from measure import copy_bandwidth, print_best, record
 sm = importlib.import_module("pintail.softmax")
 
 
-def configs(N):
+def configs(N, direction):
     out = []
     block_n = 1 << (N - 1).bit_length()
     if N <= 32768:
@@ -27,6 +27,13 @@ def configs(N):
                 per_thread = tile // (32 * warps)
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
+    if N >= 16384 and direction == "bwd":
+        # own-row backward: (BLOCK, warps, programs per SM); 4096 / 4 warps takes 138 registers
+        # (3 per SM fit), 8192 / 8 warps 162 (1 per SM fits; the ticket order makes any grid safe)
+        for block, warps, per_sm in ((2048, 4, 6), (4096, 4, 3), (4096, 4, 4), (4096, 8, 3), (4096, 8, 4),
+                                     (8192, 8, 1), (8192, 8, 2), (8192, 16, 2), (16384, 16, 1)):
+            if 2 <= -(-N // block) <= 64:
+                out.append({"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
@@ -53,9 +60,9 @@ def main():
             y = torch.empty_like(x)
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
-            default = sm.forward_config(N) if direction == "fwd" else sm.backward_config(N)
+            default = sm.forward_config(N) if direction == "fwd" else sm.backward_config(N, args.log)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
-            for cfg in configs(N):
+            for cfg in configs(N, direction):
                 if direction == "fwd":
                     fn = lambda: sm.launch_forward(x, y, args.log, cfg)
                 else:

@@ -77,6 +77,33 @@ def test_split_plan_with_small_slices(M, N, lag_rounds, device):
         assert_matches(dx, dx_truth, dx_truth.float())
 
 
+@pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (3, 65), (2, 1000), (9, 130), (1, 4097)])
+def test_own_row_backward_with_small_slices(M, N, device):
+    """The own-row backward (each slice published, waited for and written by the program
+    that loaded it) at a slice size small enough that on the GPU tiny rows cut into many
+    slices (the interpreter cuts rows into at most two: pintail/_split.py)."""
+    config = {"plan": "own_row", "BLOCK": 64, "num_warps": 4, "PROGRAMS_PER_SM": 3}
+    x = torch.randn(M, N, device=device) * 4
+    for log in (False, True):
+        y = (torch.log_softmax if log else torch.softmax)(x, -1)
+        dy = torch.randn_like(x)
+        dx = torch.empty_like(x)
+        softmax_module.launch_backward(y, dy, dx, log, config)
+        backward = torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
+        dx_truth = backward(dy.double(), y.double(), 1, torch.float64)
+        assert_matches(dx, dx_truth, dx_truth.float())
+
+
+def test_long_rows_backward_plans():
+    """Past the on-chip limit softmax's backward takes the own-row plan, and past 64 slices
+    of its largest slice the lagged split plan; log_softmax's takes the lagged plan."""
+    assert softmax_module.backward_config(PAST_ON_CHIP, log=False)["plan"] == "own_row"
+    assert softmax_module.backward_config(262144, log=False)["plan"] == "own_row"
+    largest = softmax_module.BACKWARD_OWN_ROW[-1][0]
+    assert softmax_module.backward_config(largest + 1, log=False)["plan"] == "split"
+    assert softmax_module.backward_config(PAST_ON_CHIP, log=True)["plan"] == "split"
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_rows_plan_with_tiles_of_rows(op, device):
     """Several rows per program, and a last tile that runs past the end."""
