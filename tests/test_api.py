@@ -88,6 +88,31 @@ def test_cuda_graph_capture(device):
         assert_matches(dx, dx_ref, dx_ref.float())
 
 
+def test_cuda_graph_capture_of_norm_backward(device):
+    """The RMSNorm backward's cooperative launch (groups plan, rows past 8192) in a CUDA graph."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    x = torch.randn(16, 20000, device=device, requires_grad=True)
+    w = torch.randn(20000, device=device, requires_grad=True)
+    dy = torch.randn(16, 20000, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+        torch.autograd.grad(pintail.rms_norm(x, (20000,), w), (x, w), dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dx, dw = torch.autograd.grad(pintail.rms_norm(x, (20000,), w), (x, w), dy)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    leaves = (x.detach().double().requires_grad_(), w.detach().double().requires_grad_())
+    truth = torch.autograd.grad(torch.nn.functional.rms_norm(leaves[0], (20000,), leaves[1]), leaves, dy.double())
+    assert_matches(dx, truth[0], truth[0].float())
+    assert_matches(dw, truth[1], truth[1].float())
+
+
 def test_past_2_to_the_31_elements(device):
     """Row offsets in int64: a (8200, 262144) bf16 tensor has 2^31 + 2^21 elements."""
     if device.type != "cuda":
