@@ -1,7 +1,6 @@
 """Helpers shared by every op: where a tensor runs, which dtypes the kernels take,
 and how a tensor is seen as a matrix of rows for a row-wise kernel."""
 
-import ctypes
 import functools
 
 import torch
@@ -46,51 +45,18 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if INTERPRET or not _TRITON_3_6:
         kernel[grid](*args, **kwargs)
         return
-    compiled, bound, device = _compiled(kernel, args, kwargs)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound.values())
-
-
-def _compiled(kernel, args, kwargs):
-    """(the CompiledKernel for these arguments, the bound arguments, the device index)."""
     device = torch.cuda.current_device()
-    if not _TRITON_3_6:
-        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-        compiled._init_handles()
-        return compiled, None, device
     bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
     key = (kernel, device, tuple(specialisation), tuple(options.items()))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
         compiled._init_handles()
         _COMPILED[key] = compiled
-    return compiled, bound, device
-
-
-@functools.cache
-def _driver():
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                 ctypes.c_int, ctypes.c_size_t]
-    return cuda
-
-
-def resident_programs(kernel, *args, **kwargs) -> int | None:
-    """How many programs of kernel(*args, **kwargs) the GPU runs at once: the driver's
-    occupancy of the compiled kernel (registers, shared memory, threads) times the SMs. A
-    cooperative launch takes at most this many. None in the interpreter."""
-    if INTERPRET:
-        return None
-    compiled, _, device = _compiled(kernel, args, kwargs)
-    blocks = ctypes.c_int(0)
-    status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(blocks), compiled.function, compiled.metadata.num_warps * 32, compiled.metadata.shared)
-    if status != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {status}")
-    return blocks.value * _multiprocessors(device)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())
 
 
 def runs_kernels(t: torch.Tensor) -> bool:

@@ -21,10 +21,6 @@ Kernels, three plans by row length N (tables at the end of the kernels):
 - split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
   publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
   x read from HBM once, y written once.
-- groups (RMSNorm backward past the rows plan): rows cut into slices, a fixed program per
-  slice for a group of rows; the programs of a group exchange each row's sums through
-  global memory (all resident: a cooperative launch) and write dx from registers. x and dy
-  read once, dweight / dbias in registers per group.
 Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
 and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
 """
@@ -34,8 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, program_slots, resident_programs,
-                      runs_kernels, unit_stride)
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, program_slots, runs_kernels, unit_stride
 
 
 # ----------------------------------------------------------------------------- forward
@@ -349,86 +344,6 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
         tl.store(db_ptr + block.to(tl.int64) * N + cols, db, mask=mask)
 
 
-# SLICES specialised to 1 fails Triton 3.6's compile; GROUPS is left general so that the
-# occupancy measured before the grid is known (resident_programs) is the launched kernel's
-@triton.jit(do_not_specialize=["GROUPS", "SLICES"])
-def _backward_groups_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, db_ptr,
-                            M, N, inv_n, GROUPS, SLICES, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
-                            weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            HAS_DH: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
-    # Program (group, slice): slice `slice` of rows group, group + GROUPS, ... The SLICES
-    # programs of a group (all running: a cooperative launch) meet at every row through its
-    # published sums. A program publishes the next row's sums before it waits for the
-    # current row, so each wait overlaps the other programs' next loads. dweight / dbias
-    # of the slice stay in registers over the group's rows: one partial row per group,
-    # summed by torch (deterministic).
-    group = tl.program_id(0) // SLICES
-    slice_index = tl.program_id(0) % SLICES
-    cols = slice_index * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    if HAS_WEIGHT:
-        w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-    else:
-        w_eff = 1.0
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    db = tl.zeros([BLOCK], dtype=tl.float32)
-    row = group.to(tl.int64)
-    x_raw = tl.load(x_ptr + row * x_row_stride + cols, mask=mask & (row < M), other=0.0)
-    dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask & (row < M), other=0.0)
-    if row < M:
-        _publish_row_sums(slots_ptr, x_raw, dy_raw, w_eff, mask, mean_ptr, rstd_ptr, row, SLICES, slice_index, RMS)
-    while row < M:
-        next_row = row + GROUPS
-        x_next = tl.load(x_ptr + next_row * x_row_stride + cols, mask=mask & (next_row < M), other=0.0)
-        dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask & (next_row < M), other=0.0)
-        if next_row < M:
-            _publish_row_sums(slots_ptr, x_next, dy_next, w_eff, mask, mean_ptr, rstd_ptr, next_row, SLICES,
-                              slice_index, RMS)
-        sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
-        x_hat, dy, rstd = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
-        g = dy * w_eff
-        mean_gx = tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n
-        if RMS:
-            dx = rstd * (g - x_hat * mean_gx)
-        else:
-            dx = rstd * (g - tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
-        if HAS_DH:
-            dx += tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * x_hat
-        db += dy
-        row, x_raw, dy_raw = next_row, x_next, dy_next
-    if HAS_WEIGHT:
-        tl.store(dw_ptr + group.to(tl.int64) * N + cols, dw, mask=mask)
-    if HAS_BIAS:
-        tl.store(db_ptr + group.to(tl.int64) * N + cols, db, mask=mask)
-
-
-@triton.jit
-def _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS: tl.constexpr):
-    rstd = tl.load(rstd_ptr + row)
-    if RMS:
-        x_hat = x_raw.to(tl.float32) * rstd
-    else:
-        x_hat = tl.where(mask, x_raw.to(tl.float32) - tl.load(mean_ptr + row), 0.0) * rstd
-    return x_hat, dy_raw.to(tl.float32), rstd
-
-
-@triton.jit
-def _publish_row_sums(slots_ptr, x_raw, dy_raw, w_eff, mask, mean_ptr, rstd_ptr, row, SLICES, slice_index,
-                      RMS: tl.constexpr):
-    """A slice's sums, RMS: (1.0, sum g x^); LayerNorm: (sum g, sum g x^ with its lowest
-    mantissa bit set, so that the word is never 0)."""
-    x_hat, dy, _ = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
-    g = dy * w_eff
-    sum_gx = tl.sum(g * x_hat, axis=0)
-    if RMS:
-        split.publish(slots_ptr, row * SLICES + slice_index, tl.full((), 1.0, tl.float32), sum_gx)
-    else:
-        flagged = (sum_gx.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
-        split.publish(slots_ptr, row * SLICES + slice_index, tl.sum(g, axis=0), flagged)
-
-
 # ------------------------------------------------------------------ launch heuristics
 # Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
@@ -449,9 +364,6 @@ FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRA
                                   "LAG_ROUNDS": 1},
                  "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
-# RMSNorm's backward past the rows plan: groups (H200: 0.63-0.70 of copy at 32768-262144
-# against the long plan's 0.55). LayerNorm stays on the long plan (groups: 0.54-0.57 against 0.53-0.54).
-BACKWARD_GROUPS = {"plan": "groups", "BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 
 
 def _kind(rms):
@@ -474,7 +386,7 @@ def backward_config(N, rms):
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
-    return BACKWARD_GROUPS if rms else BACKWARD_LONG
+    return BACKWARD_LONG
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -524,46 +436,30 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         return reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
     M, N = x.shape
     dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
-    if not (M and N):
-        zeros = torch.zeros(N, dtype=torch.float32, device=x.device)
-        return dx, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
-    for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
-        if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
-            raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
-                             f"expected ({M}, {N}) rows with unit feature stride")
     cfg = config or backward_config(N, rms)
-    pointers = (x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd)
-    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
-    flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
-                 num_warps=cfg["num_warps"])
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
         parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
-    elif cfg["plan"] == "groups":  # the interpreter runs one program at a time: one slice a row there
-        block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)
-        chunks = cdiv(N, block)
-        slots = torch.zeros(1 + M * chunks, dtype=torch.int64, device=x.device)  # a word per (row, slice)
-        groups_args = (*pointers, slots, dx, rstd, rstd, M, N, 1.0 / N)  # dweight / dbias: placeholders here
-        groups_kwargs = dict(**flags, BLOCK=block, SLICES_POW2=next_power_of_2(chunks), launch_cooperative_grid=True)
-        # every program of a group must run at once: at most as many as the GPU holds
-        resident = resident_programs(_backward_groups_kernel, *groups_args, 1, chunks, *strides, **groups_kwargs)
-        programs = program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-        parts = min(M, min(programs, resident or programs) // chunks)
-        if parts == 0:  # a row of more slices than the GPU holds programs
-            return _backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, BACKWARD_LONG)
     else:
-        block = min(cfg["BLOCK"], next_power_of_2(N))
+        block = min(cfg["BLOCK"], next_power_of_2(max(N, 1)))
         chunks = cdiv(N, block)
         parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
     dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
     db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
+    if not (M and N):
+        return dx, (dw.zero_().sum(0) if dw is not None else None), (db.zero_().sum(0) if db is not None else None)
+    for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
+        if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
+            raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
+                             f"expected ({M}, {N}) rows with unit feature stride")
+    pointers = (x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd)
     outputs = (dx, dw if dw is not None else mean, db if db is not None else mean)
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
+    flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
+                 num_warps=cfg["num_warps"])
     if cfg["plan"] == "rows":
         launch(_backward_rows_kernel, (parts,), *pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
-    elif cfg["plan"] == "groups":
-        launch(_backward_groups_kernel, (parts * chunks,), *pointers, slots, *outputs, M, N, 1.0 / N, parts, chunks,
-               *strides, **groups_kwargs)
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:

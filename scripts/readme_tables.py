@@ -3,9 +3,10 @@ each direction and shape with pintail, eager and torch.compile as fractions of t
 bandwidth of their run, and the bar (the issue's, or the best anchor of BENCHMARKS.md where
 that is higher); **bold** where pintail meets it. A later file overrides an earlier one for
 the same (op, direction, N, provider) of the first file's shapes, so a partial re-run can
-update a full one.
+update a full one. Files given as NAME=PATH after --also add a column NAME with their
+pintail fraction (other runs of the same code: the run-to-run spread).
 
-    python scripts/readme_tables.py docs/bench-all-...json [docs/bench-....json ...]
+    python scripts/readme_tables.py docs/bench-all-...json [docs/bench-....json ...] [--also run7=docs/....json ...]
 """
 
 import json
@@ -32,7 +33,12 @@ def bar(op, direction, N):
     return 0.90 if direction == "fwd" else 0.85
 
 
-def main(paths):
+def main(argv):
+    paths = argv[:argv.index("--also")] if "--also" in argv else argv
+    also = [a.split("=", 1) for a in argv[len(paths) + 1:]]
+    others = {name: {(r["op"], r["direction"], r["N"]): r["fraction_of_copy"]
+                     for r in json.load(open(path))["results"] if r["provider"] == "pintail"}
+              for name, path in also}
     rows = {}
     for i, path in enumerate(paths):
         for r in json.load(open(path))["results"]:
@@ -44,8 +50,9 @@ def main(paths):
         keys = [k for k in rows if k[0] == op]
         checked = any("pintail_unchecked" in rows[k] for k in keys)
         first = "checked (default) | unchecked" if checked else "pintail"
-        print(f"\n### {op}\n| dir | N | {first} | eager | compile | pintail ms | bar |")
-        print("|---|---|---|---|---|---|---|" + ("---|" if checked else ""))
+        extra = "".join(f" pintail {name} |" for name in others)
+        print(f"\n### {op}\n| dir | N | {first} |{extra} eager | compile | pintail ms | bar |")
+        print("|---|---|---|---|---|---|---|" + ("---|" if checked else "") + "---|" * len(others))
         for k in keys:
             _, direction, N = k
             row, b = rows[k], bar(*k)
@@ -56,6 +63,7 @@ def main(paths):
                 f = row[p]["fraction_of_copy"]
                 return f"**{f:.2f}**" if p.startswith("pintail") and f >= b else f"{f:.2f}"
             cells = [frac("pintail")] + ([frac("pintail_unchecked")] if checked else [])
+            cells += [f"{run[k]:.2f}" if k in run else "-" for run in others.values()]
             cells += [frac("eager"), frac("compile"), f"{row['pintail']['ms']:.3f}", f"{b:.2f}"]
             print(f"| {direction} | {N} | " + " | ".join(cells) + " |")
 

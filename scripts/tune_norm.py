@@ -41,13 +41,6 @@ def configs(direction, N):
                 elif block <= 8192:
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                             for per_sm in (2, 4)]
-    if direction == "bwd" and N >= 16384:
-        # groups (a cooperative launch: PROGRAMS_PER_SM above what the registers allow fails to
-        # launch and is skipped). sm_90 registers, RMS / LayerNorm: 2048 / 4 warps 128 / 128,
-        # 4096 / 8 warps 128 / 160, 8192 / 16 warps 125 / 128
-        for block, warps, per_sm in ((1024, 4, 4), (1024, 4, 6), (2048, 4, 3), (2048, 4, 4), (4096, 8, 1),
-                                     (4096, 8, 2), (8192, 16, 1)):
-            out.append({"plan": "groups", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,

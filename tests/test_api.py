@@ -89,7 +89,7 @@ def test_cuda_graph_capture(device):
 
 
 def test_cuda_graph_capture_of_norm_backward(device):
-    """The RMSNorm backward's cooperative launch (groups plan, rows past 8192) in a CUDA graph."""
+    """The RMSNorm backward past the rows plan (two kernels: row sums, then chunks) in a CUDA graph."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     x = torch.randn(16, 20000, device=device, requires_grad=True)

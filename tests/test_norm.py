@@ -14,8 +14,7 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 @pytest.fixture(params=["rows", "long", "split"])
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'long' empties the rows tables and shortens the chunks;
-    'split' does too and sends the forward to the split plan and RMSNorm's backward to the
-    groups plan (LayerNorm's backward takes 'long'; under 'long' RMSNorm's does too)."""
+    'split' does too and sends the forward to the split plan (the backward takes 'long')."""
     if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
@@ -23,11 +22,8 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
-    if request.param == "long":
-        monkeypatch.setattr(norm_module, "BACKWARD_GROUPS", norm_module.BACKWARD_LONG)
     if request.param == "split":
         monkeypatch.setattr(norm_module, "FORWARD_LONG_UP_TO", 0)
-        monkeypatch.setattr(norm_module, "BACKWARD_GROUPS", {**norm_module.BACKWARD_GROUPS, "BLOCK": LONG_BLOCK})
     return request.param
 
 
@@ -77,8 +73,10 @@ def check(kind, x, shape, weight=None, bias=None, residual=None, weight_offset=0
     grads_out = [torch.randn_like(o[0], dtype=torch.float32) for o in outs]
     ours = torch.autograd.grad([o[0] for o in outs], [t for t in ours_in if t is not None],
                                [g.to(o[0].dtype) for g, o in zip(grads_out, outs)])
+    # the truth gets the gradient as handed to our op (rounded to the output's dtype): the
+    # rounding of the incoming gradient is not the op's error (it failed fp16 dweight ~1 run in 50)
     truth = torch.autograd.grad([o[1] for o in outs], [t for t in ins64 if t is not None],
-                                [g.double() for g in grads_out])
+                                [g.to(o[0].dtype).double() for g, o in zip(grads_out, outs)])
     same = torch.autograd.grad([o[2] for o in outs], [t for t in ins_same if t is not None],
                                [g.to(o[2].device, o[2].dtype) for g, o in zip(grads_out, outs)])
     for g, g64, g_same, leaf in zip(ours, truth, same, [t for t in ours_in if t is not None]):
@@ -159,28 +157,6 @@ def test_many_chunks_per_row(kind, device):
     assert_matches(y, y64, y64.float(), unit=1.0)
     for g, g64 in zip(grads, torch.autograd.grad(y64, leaves, dy.double())):
         assert_matches(g, g64, g64.float(), unit=1.0)
-
-
-@pytest.mark.parametrize("kind", ["rms", "layer"])
-@pytest.mark.parametrize("M, N, block", [(13, 300, 64), (5, 1000, 256), (3, 4097, 1024), (9, 33, 64), (2, 1, 64)])
-def test_groups_backward(kind, M, N, block, device):
-    """The groups backward (the slices of a row meet at every row; on the GPU many slices,
-    in the interpreter one: pintail/norm.py) against the long plan, with the residual's
-    gradient, LayerNorm rows of mean 1000, and dweight bit-identical across runs."""
-    rms = kind == "rms"
-    x = torch.randn(M, N, device=device) * (1 if rms else 0.1) + (0 if rms else 1000.0)
-    w, b = torch.randn(N, device=device), torch.randn(N, device=device)
-    dy, dh = torch.randn(M, N, device=device), torch.randn(M, N, device=device)
-    _, _, mean, rstd = norm_module._forward(x, None, w, None if rms else b, 1e-5, 0.5, rms, torch.float32)
-    groups = {"plan": "groups", "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 3}
-    long = {**norm_module.BACKWARD_LONG, "BLOCK": 64}
-    got = norm_module._backward(dy, dh, x, w, not rms, mean, rstd, 0.5, rms, torch.float32, groups)
-    want = norm_module._backward(dy, dh, x, w, not rms, mean, rstd, 0.5, rms, torch.float32, long)
-    for g, r in zip(got, want):
-        if r is not None:
-            assert_matches(g, r.double(), r, unit=1.0)
-    again = norm_module._backward(dy, dh, x, w, not rms, mean, rstd, 0.5, rms, torch.float32, groups)
-    assert torch.equal(again[1], got[1])
 
 
 def test_weight_gradient_is_deterministic(plan, device):
