@@ -65,7 +65,9 @@ def test_cuda_graph_capture(device):
     """No host synchronisation: forward and backward capture into a CUDA graph and replay."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    for N in (1000, 3 * softmax_module.FORWARD_SPLIT["BLOCK"] + 5):  # both plans
+    # every plan: rows; the split forward with the rows backward; the split forward with the
+    # own-row backward (past the backward's rows plan)
+    for N in (1000, 3 * softmax_module.FORWARD_SPLIT["BLOCK"] + 5, softmax_module.BACKWARD_ROWS[-1][0] + 7232):
         x = torch.randn(8, N, device=device, requires_grad=True)
         dy = torch.randn(8, N, device=device)
         stream = torch.cuda.Stream()
