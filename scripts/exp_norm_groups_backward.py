@@ -28,6 +28,7 @@ import importlib
 import torch
 import triton
 import triton.language as tl
+from measure import long_rows, print_fraction
 
 split = importlib.import_module("pintail._split")
 norm = importlib.import_module("pintail.norm")
@@ -178,15 +179,7 @@ def check(device):
 
 
 def main():
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check(device)
-    if device.type != "cuda":
-        return
-    from measure import copy_bandwidth, time_ms
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (32768, 131072, 262144):
-        M = 2**27 // N
+    for N, M, copy_bw in long_rows(check):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -197,9 +190,7 @@ def main():
                 cfg = {"BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                 runs[f"groups {cfg}"] = lambda cfg=cfg: backward(dy, None, x, w, not rms, mean, rstd, rms, cfg)
             for name, fn in runs.items():
-                ms = time_ms(fn)
-                print(f"N={N} {'rms' if rms else 'layer'} {name}: {ms:.4f} ms "
-                      f"{3 * x.numel() * 2 / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+                print_fraction(f"N={N} {'rms' if rms else 'layer'} {name}", fn, 3 * x.numel() * 2, copy_bw)
 
 
 if __name__ == "__main__":

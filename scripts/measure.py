@@ -1,5 +1,6 @@
 """Shared by the tuning and experiment scripts: GPU time of a call, the copy ceiling of the
-run, host time of a call, and the best configuration per shape."""
+run, host time of a call, the best configuration per shape, the sizes loop of the long-row
+experiments, and an autograd node that does nothing (the engine's own cost)."""
 
 import time
 
@@ -57,3 +58,34 @@ def print_best(results, directions, sizes):
             default = next((r for r in rows if r["default"]), None)
             print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
                   f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
+
+
+def long_rows(check, sizes=(32768, 131072, 262144)):
+    """An experiment's frame: check(device) (on the CPU machine: in the interpreter), then on
+    a GPU the copy ceiling and, per N, (N, M, copy bytes per second) with M*N = 2^27."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check(device)
+    if device.type != "cuda":
+        return
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    for N in sizes:
+        yield N, 2**27 // N, copy_bw
+
+
+def print_fraction(label, fn, nbytes, copy_bw):
+    """Time fn and print its ms and fraction of the copy bandwidth."""
+    ms = time_ms(fn)
+    print(f"{label}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+
+
+class Identity(torch.autograd.Function):
+    """An autograd node that does nothing: what the engine costs around a Python node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
