@@ -1,0 +1,143 @@
+"""Experiment for the next GPU session: the norm backward past the rows plan as "blocks",
+the groups plan (scripts/exp_norm_groups_backward.py: 0.63-0.70 for RMSNorm alone) without
+its cooperative launch.
+
+Work comes in tickets taken in order from an atomic counter: ticket t is slice t % SLICES of
+the block of ROWS rows t // SLICES. The SLICES programs holding a block's tickets meet at
+each of its rows as in the groups plan: each publishes the row's sums for its slice (the
+next row's before it waits for the current one), waits for the row's other slices and
+writes dx from the slice it holds. dweight / dbias of the slice are summed over the block's
+rows in registers and written as one float32 partial row per block (torch sums the
+partials in a fixed order: deterministic whichever program takes which ticket). HBM
+traffic: x and dy once, dx once, plus the partials (4 / ROWS bytes per element written and
+read: ~4 % at ROWS = 32 for bf16).
+
+No co-residency is needed: a program takes a new ticket only when it has finished its
+block, so a wait can only stall on the newest block (the only one whose tickets may not all
+be taken yet), and any SLICES running programs complete it. A GPU runs at least one program
+per SM and SLICES stays at or under 64 here. The interpreter runs one program at a time:
+there a row is one slice (the arithmetic, not the waiting).
+
+Predicted: the groups plan's 0.63-0.70 (RMSNorm) less the ticket atomics (one per ROWS rows
+of a slice), and without its 0.35-0.63 through autograd if that came from the cooperative
+launch; to check next to it with scripts/exp_host_gaps.py-style timing through autograd.
+
+    python scripts/exp_norm_blocks_backward.py
+"""
+
+import importlib
+
+import torch
+import triton
+import triton.language as tl
+from exp_norm_groups_backward import _publish_row_sums, _x_hat_and_dy
+from measure import long_rows, print_fraction
+
+split = importlib.import_module("pintail._split")
+norm = importlib.import_module("pintail.norm")
+INTERPRET = importlib.import_module("pintail._launch").INTERPRET
+
+
+@triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 fails Triton 3.6's compile
+def backward_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                    SLICES, x_row_stride, dy_row_stride, dx_row_stride, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    end = tl.cdiv(M, ROWS) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        block = ticket // SLICES
+        slice_index = ticket % SLICES
+        cols = slice_index * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        row = block * ROWS
+        last = tl.minimum(row + ROWS, M)
+        x_raw = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+        _publish_row_sums(slots_ptr, x_raw, dy_raw, w_eff, mask, mean_ptr, rstd_ptr, row, SLICES, slice_index, RMS)
+        while row < last:
+            next_row = row + 1
+            more = next_row < last
+            x_next = tl.load(x_ptr + next_row * x_row_stride + cols, mask=mask & more, other=0.0)
+            dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask & more, other=0.0)
+            if more:  # published before this program waits for the current row
+                _publish_row_sums(slots_ptr, x_next, dy_next, w_eff, mask, mean_ptr, rstd_ptr, next_row, SLICES,
+                                  slice_index, RMS)
+            sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+            x_hat, dy, rstd = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
+            g = dy * w_eff
+            mean_gx = tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n
+            if RMS:
+                dx = rstd * (g - x_hat * mean_gx)
+            else:
+                dx = rstd * (g - tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            db += dy
+            row, x_raw, dy_raw = next_row, x_next, dy_next
+        tl.store(dw_ptr + block * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_ptr + block * N + cols, db, mask=mask)
+        ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+
+def backward(dy, x, w, has_bias, mean, rstd, rms, cfg):
+    """(dx, dweight, dbias or None) of rows x[M, N] with a weight (RMS: mean unused)."""
+    M, N = x.shape
+    dx = torch.empty_like(x)
+    block = cfg["BLOCK"] if not INTERPRET else triton.next_power_of_2(N)
+    slices = triton.cdiv(N, block)
+    blocks = triton.cdiv(M, cfg["ROWS"])
+    dw = torch.empty(blocks, N, dtype=torch.float32, device=x.device)
+    db = torch.empty(blocks if has_bias else 0, N, dtype=torch.float32, device=x.device)
+    slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per (row, slice)
+    programs = cfg["PROGRAMS_PER_SM"] * (torch.cuda.get_device_properties(x.device).multi_processor_count
+                                         if x.is_cuda else 1)
+    backward_kernel[(min(programs, blocks * slices),)](
+        x, w, dy, mean, rstd, slots, dx, dw, db if has_bias else dw, M, N, 1.0 / N, slices, x.stride(0), dy.stride(0),
+        dx.stride(0), RMS=rms, HAS_BIAS=has_bias, ROWS=cfg["ROWS"], BLOCK=block,
+        SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+    return dx, dw.sum(0), (db.sum(0) if has_bias else None)
+
+
+def check(device):
+    """Against the library's long plan (itself tested against torch), LayerNorm on rows of
+    mean 1000; dweight bit-identical across runs; blocks that run past the last row."""
+    for rms in (True, False):
+        for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 3, 64),
+                                  (2, 1, 4, 64)):
+            x = torch.randn(M, N, device=device) * (1 if rms else 0.1) + (0 if rms else 1000.0)
+            w, b, dy = torch.randn(N, device=device), torch.randn(N, device=device), torch.randn(M, N, device=device)
+            _, _, mean, rstd = norm._forward(x, None, w, None if rms else b, 1e-5, 0.0, rms, torch.float32)
+            cfg = {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 2}
+            got = backward(dy, x, w, not rms, mean, rstd, rms, cfg)
+            want = norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, torch.float32,
+                                  {**norm.BACKWARD_LONG, "BLOCK": 64})
+            for g, r in zip(got, want):
+                if r is not None:
+                    err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                    assert err < 1e-4, f"rms={rms} M={M} N={N}: relative error {err}"
+            assert torch.equal(backward(dy, x, w, not rms, mean, rstd, rms, cfg)[1], got[1])
+    print(f"blocks backward matches the long plan ({device})", flush=True)
+
+
+def main():
+    for N, M, copy_bw in long_rows(check):
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        for rms in (True, False):
+            _, _, mean, rstd = norm._forward(x, None, w, None if rms else w, 1e-6, 0.0, rms, x.dtype)
+            runs = {"long": lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)}
+            for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)):
+                for rows in (16, 32):
+                    cfg = {"ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+                    runs[f"blocks {cfg}"] = lambda cfg=cfg: backward(dy, x, w, not rms, mean, rstd, rms, cfg)
+            for name, fn in runs.items():
+                print_fraction(f"N={N} {'rms' if rms else 'layer'} {name}", fn, 3 * x.numel() * 2, copy_bw)
+
+
+if __name__ == "__main__":
+    main()
