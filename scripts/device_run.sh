@@ -4,8 +4,9 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax (~1.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
+#   bash scripts/device_run.sh experiments   # the prepared experiments of docs/perf-notes.md (~5 min)
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 mode=$1
@@ -21,5 +22,10 @@ case $mode in
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options]"; exit 2 ;;
+    experiments)
+        for script in exp_norm_backward_autograd exp_norm_blocks_backward exp_ce_forward; do
+            timeout 170 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
+            echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -40
+        done ;;
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments"; exit 2 ;;
 esac
