@@ -41,11 +41,22 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     or divisible by 16), so that a cached kernel is only reused where Triton would reuse
     it. Launch hooks (knobs.runtime.launch_enter_hook) are not called. The interpreter
     takes the ordinary path, and so does a Triton other than 3.6, whose internals this is
-    written against."""
-    if INTERPRET or not _TRITON_3_6:
+    written against.
+
+    The kernel runs on the GPU of its first argument (a tensor, for every kernel here), made
+    the current device for the launch where it is not: Triton compiles and launches for the
+    current device."""
+    if INTERPRET:
         kernel[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
+    device = args[0].device.index
+    if device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            launch(kernel, grid, *args, **kwargs)
+        return
+    if not _TRITON_3_6:
+        kernel[grid](*args, **kwargs)
+        return
     bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
     key = (kernel, device, tuple(specialisation), tuple(options.items()))
     compiled = _COMPILED.get(key)

@@ -115,6 +115,28 @@ def test_cuda_graph_capture_of_norm_backward(device):
     assert_matches(dw, truth[1], truth[1].float())
 
 
+def test_tensors_on_another_gpu_than_the_current_one(device):
+    """Tensors on cuda:1 while cuda:0 is current: the kernels run on the tensors' GPU."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    other = torch.device("cuda", 1 - torch.cuda.current_device())
+    x = torch.randn(8, 40000, device=other, requires_grad=True)
+    w = torch.randn(40000, device=other, requires_grad=True)
+    target = torch.randint(0, 40000, (8,), device=other)
+    for ours, theirs in ((lambda: pintail.softmax(x, -1), lambda: torch.softmax(x, -1)),
+                         (lambda: pintail.rms_norm(x, (40000,), w), lambda: torch.nn.functional.rms_norm(x, (40000,), w)),
+                         (lambda: pintail.cross_entropy(x, target), lambda: torch.nn.functional.cross_entropy(x, target))):
+        y, y_ref = ours(), theirs()
+        assert y.device == other
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, w), dy, allow_unused=True)
+        grads_ref = torch.autograd.grad(y_ref, (x, w), dy, allow_unused=True)
+        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+        for g, g_ref in zip(grads, grads_ref):
+            if g_ref is not None:
+                torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
 def test_past_2_to_the_31_elements(device):
     """Row offsets in int64: a (8200, 262144) bf16 tensor has 2^31 + 2^21 elements."""
     if device.type != "cuda":
