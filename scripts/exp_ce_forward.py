@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from exp_host_gaps import kernels_of
-from measure import copy_bandwidth, time_ms
+from measure import long_rows, print_fraction
 
 ce = importlib.import_module("pintail.cross_entropy")
 
@@ -68,24 +68,18 @@ def check(device):
 
 
 def main():
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check(device)
-    if device.type != "cuda":
-        return
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    M, V = 4096, 32768
-    x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
-    target = torch.randint(0, V, (M,), device="cuda")
-    runs = {"library, mean": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
-            "library, none": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "none"),
-            "target prefetched, none": lambda: prefetched_forward(x, target)}
-    for name, fn in runs.items():
-        ms = time_ms(fn)
-        print(f"{name}: {ms:.4f} ms {M * V * 2 / (ms * 1e-3) / copy_bw:.3f}", flush=True)
-        for kernel, (count, gpu_us) in sorted(kernels_of(fn).items(), key=lambda kv: -kv[1][1]):
-            print(f"    {count:.0f}x {gpu_us:8.1f} us ({M * V * 2 / (gpu_us * 1e-6) / copy_bw:.3f})  {kernel}",
-                  flush=True)
+    for V, _, copy_bw in long_rows(check, (32768,)):
+        M = 4096
+        x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
+        target = torch.randint(0, V, (M,), device="cuda")
+        runs = {"library, mean": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                "library, none": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "none"),
+                "target prefetched, none": lambda: prefetched_forward(x, target)}
+        for name, fn in runs.items():
+            print_fraction(name, fn, M * V * 2, copy_bw)
+            for kernel, (count, gpu_us) in sorted(kernels_of(fn).items(), key=lambda kv: -kv[1][1]):
+                print(f"    {count:.0f}x {gpu_us:8.1f} us ({M * V * 2 / (gpu_us * 1e-6) / copy_bw:.3f})  {kernel}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,9 @@ import importlib
 import torch
 import triton
 import triton.language as tl
-from exp_norm_groups_backward import _publish_row_sums, _x_hat_and_dy
+from exp_norm_groups_backward import _publish_row_sums, _write_row_dx, check_against_long
 from measure import long_rows, print_fraction
 
-split = importlib.import_module("pintail._split")
 norm = importlib.import_module("pintail.norm")
 INTERPRET = importlib.import_module("pintail._launch").INTERPRET
 
@@ -65,15 +64,8 @@ def backward_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, slots_ptr, dx_ptr,
             if more:  # published before this program waits for the current row
                 _publish_row_sums(slots_ptr, x_next, dy_next, w_eff, mask, mean_ptr, rstd_ptr, next_row, SLICES,
                                   slice_index, RMS)
-            sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
-            x_hat, dy, rstd = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
-            g = dy * w_eff
-            mean_gx = tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n
-            if RMS:
-                dx = rstd * (g - x_hat * mean_gx)
-            else:
-                dx = rstd * (g - tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
-            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            x_hat, dy = _write_row_dx(slots_ptr, x_raw, dy_raw, w_eff, 0.0, mask, mean_ptr, rstd_ptr, dx_ptr, row,
+                                      cols, dx_row_stride, inv_n, SLICES, SLICES_POW2, RMS)
             dw += dy * x_hat
             db += dy
             row, x_raw, dy_raw = next_row, x_next, dy_next
@@ -103,24 +95,11 @@ def backward(dy, x, w, has_bias, mean, rstd, rms, cfg):
 
 
 def check(device):
-    """Against the library's long plan (itself tested against torch), LayerNorm on rows of
-    mean 1000; dweight bit-identical across runs; blocks that run past the last row."""
-    for rms in (True, False):
-        for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 3, 64),
-                                  (2, 1, 4, 64)):
-            x = torch.randn(M, N, device=device) * (1 if rms else 0.1) + (0 if rms else 1000.0)
-            w, b, dy = torch.randn(N, device=device), torch.randn(N, device=device), torch.randn(M, N, device=device)
-            _, _, mean, rstd = norm._forward(x, None, w, None if rms else b, 1e-5, 0.0, rms, torch.float32)
-            cfg = {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 2}
-            got = backward(dy, x, w, not rms, mean, rstd, rms, cfg)
-            want = norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, torch.float32,
-                                  {**norm.BACKWARD_LONG, "BLOCK": 64})
-            for g, r in zip(got, want):
-                if r is not None:
-                    err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-                    assert err < 1e-4, f"rms={rms} M={M} N={N}: relative error {err}"
-            assert torch.equal(backward(dy, x, w, not rms, mean, rstd, rms, cfg)[1], got[1])
-    print(f"blocks backward matches the long plan ({device})", flush=True)
+    """Blocks that run past the last row among the cases."""
+    cases = [(M, N, {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 2})
+             for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 3, 64),
+                                       (2, 1, 4, 64))]
+    check_against_long("blocks", lambda dy, dh, *rest: backward(dy, *rest), cases, device, with_dh=False)
 
 
 def main():

@@ -70,17 +70,12 @@ def _backward_groups_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sl
         if next_row < M:
             _publish_row_sums(slots_ptr, x_next, dy_next, w_eff, mask, mean_ptr, rstd_ptr, next_row, SLICES,
                               slice_index, RMS)
-        sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
-        x_hat, dy, rstd = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
-        g = dy * w_eff
-        mean_gx = tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n
-        if RMS:
-            dx = rstd * (g - x_hat * mean_gx)
-        else:
-            dx = rstd * (g - tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
         if HAS_DH:
-            dx += tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dh = tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            dh = 0.0
+        x_hat, dy = _write_row_dx(slots_ptr, x_raw, dy_raw, w_eff, dh, mask, mean_ptr, rstd_ptr, dx_ptr, row, cols,
+                                  dx_row_stride, inv_n, SLICES, SLICES_POW2, RMS)
         dw += dy * x_hat
         db += dy
         row, x_raw, dy_raw = next_row, x_next, dy_next
@@ -98,6 +93,23 @@ def _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS: tl.constexp
     else:
         x_hat = tl.where(mask, x_raw.to(tl.float32) - tl.load(mean_ptr + row), 0.0) * rstd
     return x_hat, dy_raw.to(tl.float32), rstd
+
+
+@triton.jit
+def _write_row_dx(slots_ptr, x_raw, dy_raw, w_eff, dh, mask, mean_ptr, rstd_ptr, dx_ptr, row, cols, dx_row_stride,
+                  inv_n, SLICES, SLICES_POW2: tl.constexpr, RMS: tl.constexpr):
+    """Wait for the row's sums from every slice, write dx (+ dh) of this slice; returns
+    (x^, dy) for the weight and bias gradients."""
+    sums_g, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+    x_hat, dy, rstd = _x_hat_and_dy(x_raw, dy_raw, mask, mean_ptr, rstd_ptr, row, RMS)
+    g = dy * w_eff
+    mean_gx = tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n
+    if RMS:
+        dx = rstd * (g - x_hat * mean_gx) + dh
+    else:
+        dx = rstd * (g - tl.sum(tl.where(valid, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx) + dh
+    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    return x_hat, dy
 
 
 @triton.jit
@@ -157,16 +169,17 @@ def backward(dy, dh, x, w, has_bias, mean, rstd, rms, cfg):
     return dx, dw.sum(0), (db.sum(0) if has_bias else None)
 
 
-def check(device):
-    """Against the library's long plan (itself tested against torch), with the residual's
-    gradient, LayerNorm rows of mean 1000; dweight bit-identical across runs."""
+def check_against_long(name, backward, cases, device, with_dh=True):
+    """backward(dy, dh, x, w, has_bias, mean, rstd, rms, cfg) against the library's long plan
+    (itself tested against torch) for each (M, N, cfg) of cases, RMSNorm and LayerNorm (rows
+    of mean 1000), with the residual's gradient if with_dh; dweight bit-identical across runs."""
     for rms in (True, False):
-        for M, N, block in ((13, 300, 64), (5, 1000, 256), (3, 4097, 1024), (9, 33, 64), (2, 1, 64)):
+        for M, N, cfg in cases:
             x = torch.randn(M, N, device=device) * (1 if rms else 0.1) + (0 if rms else 1000.0)
             w, b = torch.randn(N, device=device), torch.randn(N, device=device)
-            dy, dh = torch.randn(M, N, device=device), torch.randn(M, N, device=device)
+            dy = torch.randn(M, N, device=device)
+            dh = torch.randn(M, N, device=device) if with_dh else None
             _, _, mean, rstd = norm._forward(x, None, w, None if rms else b, 1e-5, 0.0, rms, torch.float32)
-            cfg = {"BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 3}
             got = backward(dy, dh, x, w, not rms, mean, rstd, rms, cfg)
             want = norm._backward(dy, dh, x, w, not rms, mean, rstd, 0.0, rms, torch.float32,
                                   {**norm.BACKWARD_LONG, "BLOCK": 64})
@@ -175,7 +188,13 @@ def check(device):
                     err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
                     assert err < 1e-4, f"rms={rms} M={M} N={N}: relative error {err}"
             assert torch.equal(backward(dy, dh, x, w, not rms, mean, rstd, rms, cfg)[1], got[1])
-    print(f"groups backward matches the long plan ({device})", flush=True)
+    print(f"{name} backward matches the long plan ({device})", flush=True)
+
+
+def check(device):
+    cases = [(M, N, {"BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 3})
+             for M, N, block in ((13, 300, 64), (5, 1000, 256), (3, 4097, 1024), (9, 33, 64), (2, 1, 64))]
+    check_against_long("groups", backward, cases, device)
 
 
 def main():
