@@ -30,8 +30,7 @@ import importlib
 import torch
 import triton
 import triton.language as tl
-from exp_norm_groups_backward import _publish_row_sums, _write_row_dx, check_against_long
-from measure import long_rows, print_fraction
+from exp_norm_groups_backward import _publish_row_sums, _write_row_dx, check_against_long, time_against_long
 
 norm = importlib.import_module("pintail.norm")
 INTERPRET = importlib.import_module("pintail._launch").INTERPRET
@@ -103,19 +102,9 @@ def check(device):
 
 
 def main():
-    for N, M, copy_bw in long_rows(check):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        for rms in (True, False):
-            _, _, mean, rstd = norm._forward(x, None, w, None if rms else w, 1e-6, 0.0, rms, x.dtype)
-            runs = {"long": lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)}
-            for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)):
-                for rows in (16, 32):
-                    cfg = {"ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-                    runs[f"blocks {cfg}"] = lambda cfg=cfg: backward(dy, x, w, not rms, mean, rstd, rms, cfg)
-            for name, fn in runs.items():
-                print_fraction(f"N={N} {'rms' if rms else 'layer'} {name}", fn, 3 * x.numel() * 2, copy_bw)
+    configs = [{"ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+               for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)) for rows in (16, 32)]
+    time_against_long(check, "blocks", configs, backward)
 
 
 if __name__ == "__main__":

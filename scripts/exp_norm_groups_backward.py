@@ -197,7 +197,9 @@ def check(device):
     check_against_long("groups", backward, cases, device)
 
 
-def main():
+def time_against_long(check, name, configs, plan):
+    """After check(device): per long-row size, RMSNorm and LayerNorm, the library's long plan
+    and plan(dy, x, w, has_bias, mean, rstd, rms, cfg) for each cfg, as fractions of copy."""
     for N, M, copy_bw in long_rows(check):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
@@ -205,11 +207,16 @@ def main():
         for rms in (True, False):
             _, _, mean, rstd = norm._forward(x, None, w, None if rms else w, 1e-6, 0.0, rms, x.dtype)
             runs = {"long": lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)}
-            for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)):
-                cfg = {"BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-                runs[f"groups {cfg}"] = lambda cfg=cfg: backward(dy, None, x, w, not rms, mean, rstd, rms, cfg)
-            for name, fn in runs.items():
-                print_fraction(f"N={N} {'rms' if rms else 'layer'} {name}", fn, 3 * x.numel() * 2, copy_bw)
+            for cfg in configs:
+                runs[f"{name} {cfg}"] = lambda cfg=cfg: plan(dy, x, w, not rms, mean, rstd, rms, cfg)
+            for label, fn in runs.items():
+                print_fraction(f"N={N} {'rms' if rms else 'layer'} {label}", fn, 3 * x.numel() * 2, copy_bw)
+
+
+def main():
+    configs = [{"BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+               for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1))]
+    time_against_long(check, "groups", configs, lambda dy, *rest: backward(dy, None, *rest))
 
 
 if __name__ == "__main__":
