@@ -2,9 +2,9 @@
 
 The loss works on rows: logits x[M, V] (classes along a row) and a target per row. The
 kernels produce per-row results (the loss of each row and its log-sum-exp, lse). In eager
-mode the forward launch also reduces them (sum, or mean over kept rows or their weights: the
-last row program to finish sums the M losses in a fixed order) and the backward kernel takes
-the 0-d gradient and the mean's denominator; under torch.compile the reduction is traced
+mode a one-program kernel after the forward reduces them (sum, or mean over kept rows or
+their weights, in a fixed order) and the backward kernel takes the 0-d gradient and the
+mean's denominator; under torch.compile the reduction is traced
 torch ops and the backward kernel gets the gradient of each row's loss.
 
 Class-index targets, per row with target t, class weights w (all 1 without weights),
@@ -52,37 +52,45 @@ def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, ignore_index,
-                      REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr):
-    """sum / mean of the row losses, inside the forward launch: every row program counts its
-    arrival (acq_rel: its loss store is visible first), and the last one sums the M losses
-    in a fixed order (deterministic, whichever program is last) and, for mean, the kept
-    rows' class weights. No second launch and no torch ops: at V = 32768 the step is
-    host-bound, and each of those costs ~10-40 us of host time."""
-    if REDUCE != 0:
-        arrived = tl.atomic_add(flags_ptr, 1, sem="acq_rel")  # flags[0]: rows arrived
-        if arrived == M - 1:
-            total = 0.0
-            denominator = 0.0
-            for start in range(0, M, 1024):
-                rows = start + tl.arange(0, 1024)
-                in_rows = rows < M
-                total += tl.sum(tl.load(loss_ptr + rows, mask=in_rows, other=0.0, cache_modifier=".cg"), axis=0)
-                if REDUCE == 2:
-                    if PROB:  # probability targets: mean over rows
-                        denominator += tl.sum(in_rows.to(tl.float32), axis=0)
-                    else:
-                        t = tl.load(target_ptr + rows, mask=in_rows, other=ignore_index).to(tl.int64)
-                        kept = in_rows & (t != ignore_index)
-                        if HAS_WEIGHT:
-                            denominator += tl.sum(tl.load(weight_ptr + t, mask=kept & (t >= 0) & (t < V),
-                                                          other=0.0).to(tl.float32), axis=0)
-                        else:
-                            denominator += tl.sum(kept.to(tl.float32), axis=0)
-            if REDUCE == 2:
-                total = total / denominator  # all rows ignored: 0 / 0 = NaN, as torch
-                tl.store(denom_ptr, denominator)
-            tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, ignore_index,
+                   REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr, BLOCK: tl.constexpr):
+    # sum / mean of the M row losses, one program, in a fixed order (deterministic), and for
+    # mean the kept rows' class weights. A launch of its own: when every row program of the
+    # forward counted its arrival with an acq_rel atomic for the last one to reduce, the
+    # forward at V = 32768 took 74.6 us instead of 65.8 (scripts/exp_ce_forward.py).
+    total = 0.0
+    denominator = 0.0
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_rows = rows < M
+        total += tl.sum(tl.load(loss_ptr + rows, mask=in_rows, other=0.0), axis=0)
+        if REDUCE == 2:
+            if PROB:  # probability targets: mean over rows
+                denominator += tl.sum(in_rows.to(tl.float32), axis=0)
+            else:
+                t = tl.load(target_ptr + rows, mask=in_rows, other=ignore_index).to(tl.int64)
+                kept = in_rows & (t != ignore_index)
+                if HAS_WEIGHT:
+                    denominator += tl.sum(tl.load(weight_ptr + t, mask=kept & (t >= 0) & (t < V),
+                                                  other=0.0).to(tl.float32), axis=0)
+                else:
+                    denominator += tl.sum(kept.to(tl.float32), axis=0)
+    if REDUCE == 2:
+        total = total / denominator  # all rows ignored: 0 / 0 = NaN, as torch
+        tl.store(denom_ptr, denominator)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _target_check_kernel(target_ptr, count_ptr, M, V, ignore_index, BLOCK: tl.constexpr):
+    # One program: how many class indices lie outside [0, V) and are not ignore_index (the
+    # eager check; the host waits for this kernel only, not for the forward behind it).
+    bad = 0
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        t = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+        bad += tl.sum(((t != ignore_index) & ((t < 0) | (t >= V))).to(tl.int32), axis=0)
+    tl.store(count_ptr, bad)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -118,10 +126,9 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr, denom_ptr, flags_ptr, M, V,
-                    x_row_stride, ignore_index, smoothing, z_scale, softcap,
-                    HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
-                    CHECK: tl.constexpr, BLOCK: tl.constexpr):
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
+                    z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+                    BLOCK: tl.constexpr):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss.
     row = tl.program_id(0).to(tl.int64)
@@ -148,8 +155,6 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr,
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
-    if CHECK:  # flags[1]: some target is out of range (the eager check reads it after the launch)
-        tl.store(flags_ptr + 1, 1, mask=~(in_range | ignored))
     x_t = tl.load(x_row + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     if SOFTCAP:
         x_t = _softcapped(x_t, softcap)
@@ -165,14 +170,11 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, out_ptr,
     tl.store(loss_ptr + row, loss)
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
-    _reduce_when_last(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, ignore_index,
-                      REDUCE, HAS_WEIGHT, False)
 
 
 @triton.jit
-def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, out_ptr, denom_ptr, flags_ptr,
-                          M, V, x_row_stride, y_row_stride, smoothing, z_scale, softcap,
-                          HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, REDUCE: tl.constexpr,
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
+                          smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BLOCK: tl.constexpr):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
     # B = sum_j w_j y'_j; loss = B * log-sum - A.
@@ -201,7 +203,6 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)
-    _reduce_when_last(loss_ptr, y_ptr, weight_ptr, out_ptr, denom_ptr, flags_ptr, M, V, 0, REDUCE, HAS_WEIGHT, True)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -289,6 +290,7 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr
 # BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
 # 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93.
 FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
+REDUCE_BLOCK = TARGET_CHECK_BLOCK = 1024  # one program each: 4 KB of losses or 8 KB of targets a step
 BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
 
 
@@ -307,12 +309,10 @@ def _weight_total_of(weight, placeholder):
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
-def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction,
-                    flags=None):
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
     """Per-row loss, (max, log-sum) pairs and (probability targets) target mass B, float32,
     of x[M, V] (lse = max + log-sum); with reduction sum / mean also the reduced loss (0-d,
-    x's dtype) and the mean's denominator, from the same launch. `flags`: zeroed int32
-    (2,), to have flags[1] set when a class index is out of range (the eager check)."""
+    x's dtype) and the mean's denominator (float32), from a second one-program kernel."""
     M, V = x.shape
     device = x.device
     loss = torch.empty(M, dtype=torch.float32, device=device)
@@ -323,19 +323,18 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
     if M == 0:
         return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
-    check = flags is not None
-    if flags is None:
-        flags = torch.zeros(2, dtype=torch.int32, device=device) if reduce else loss
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, REDUCE=reduce, BLOCK=_block(V, FORWARD_BLOCK),
-                  num_warps=FORWARD_WARPS)
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), num_warps=FORWARD_WARPS)
     if prob_target:
-        launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, out, denominator, flags, M, V, x.stride(0),
-               target.stride(0), smoothing, z_scale, softcap, **common)
+        launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
+               smoothing, z_scale, softcap, **common)
     else:
-        launch(_forward_kernel, (M,), x, target, w, loss, stats, out, denominator, flags, M, V, x.stride(0),
-               ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, CHECK=check, **common)
+        launch(_forward_kernel, (M,), x, target, w, loss, stats, V, x.stride(0), ignore_index, smoothing, z_scale,
+               softcap, SMOOTH=smoothing > 0, **common)
+    if reduce:
+        launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
+               HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=4)
     return loss, stats, mass, out, denominator
 
 
@@ -433,17 +432,14 @@ class _Reduction:
 
 class _CrossEntropy(torch.autograd.Function):
     """Eager path: the kernels and the reduction as one autograd node. sum and mean are
-    reduced inside the forward launch and un-reduced inside the backward kernel: a chain of
-    small torch ops costs more host time than the kernels at LM sizes."""
+    reduced by one kernel after the forward and un-reduced inside the backward kernel: a
+    chain of small torch ops costs more host time than the kernels at LM sizes."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, options, reduce, inplace, flags):
-        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and (reduce.reduction != "none" or flags is not None)
+    def forward(ctx, x, target, weight, options, reduce, inplace):
+        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and reduce.reduction != "none"
         if fused:
-            rows, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction,
-                                                                   flags)
-            if reduce.reduction == "none":
-                loss = reduce(rows).to(x.dtype)
+            _, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction)
             denominator = denominator if reduce.reduction == "mean" else None
         else:
             rows, stats, mass = _forward(x, target, weight, *options)
@@ -466,7 +462,7 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
             dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
-        return dx, dtarget, None, None, None, None, None
+        return dx, dtarget, None, None, None, None
 
 
 _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
@@ -513,13 +509,13 @@ def _backward_of_op(ctx, grad, _stats, _mass):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
-def _loss_and_stats(x, target, weight, options, reduce, inplace, flags):
+def _loss_and_stats(x, target, weight, options, reduce, inplace):
     """(the reduced loss in x's dtype, (max, log-sum) per row). Under torch.compile through the custom
     ops, with the reduction as traced torch ops (and the gradient never written in place)."""
     if torch.compiler.is_compiling():
         rows, stats, _ = _forward_op(x, target, weight, *options)
         return reduce(rows).to(x.dtype), stats
-    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace, flags)
+    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
 
 
 # ------------------------------------------------------------------------ public API
@@ -582,6 +578,34 @@ def _check_target_values(target, C, ignore_index):
                          f"bounds: expected a class index in [0, {C}) or ignore_index ({ignore_index})")
 
 
+class _TargetCheck:
+    """The eager check of class indices, in two steps around the forward launch: start()
+    launches a one-program kernel that counts the bad targets, copies the count to pinned
+    host memory and records an event; finish() waits for that event (the forward kernel,
+    launched in between, keeps running) and, if a target is bad, names it."""
+
+    def __init__(self, target, C, ignore_index):
+        self.target, self.C, self.ignore_index = target, C, ignore_index
+        self.count = torch.empty(1, dtype=torch.int32, device=target.device)
+        launch(_target_check_kernel, (1,), target, self.count, target.numel(), C, ignore_index,
+               BLOCK=TARGET_CHECK_BLOCK, num_warps=4)
+        self.done = None
+        if target.is_cuda:
+            device_count, self.count = self.count, torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self.count.copy_(device_count, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def bad_targets(self) -> int:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.count.item()
+
+    def finish(self):
+        if self.bad_targets():
+            _check_target_values(self.target, self.C, self.ignore_index)
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
                   check_target=True):
@@ -603,9 +627,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
       Saves the (N, C) gradient's memory; the logits hold the gradient after backward, so use
       it only when nothing reads them afterwards (eager only: under torch.compile the gradient
       gets its own tensor).
-    - check_target: in eager mode an out-of-range class index raises IndexError. The forward
-      kernel flags such a target and the host reads the flag after the launch: one
-      synchronisation per call, and nothing else. With check_target=False, under
+    - check_target: in eager mode an out-of-range class index raises IndexError. A
+      one-program kernel counts such targets before the forward; the host waits for that
+      kernel only (not for the forward, which is launched before the wait), and scans the
+      targets to name the bad one only when the count is not 0. With check_target=False, under
       torch.compile and while a CUDA graph is being captured there is no check: the kernels
       never read out of bounds, and a row with an out-of-range target gets a NaN loss and a
       NaN gradient, so the error shows in the loss.
@@ -625,19 +650,19 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         t = unit_stride(target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(M, C))
     else:
         t = target.reshape(-1)
-    flags = None  # the kernels' out-of-range flag, read on the host after the launch
+    target_check = None
     if not prob_target:
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
         if check_target and not tracing and t.numel() > 0:
             if runs_kernels(x) and x.dtype in KERNEL_DTYPES:
-                flags = torch.zeros(2, dtype=torch.int32, device=x.device)
+                target_check = _TargetCheck(t, C, ignore_index)
             else:
                 _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
-    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward, flags)
-    if flags is not None and flags[1].item():  # one synchronisation, after the forward launch
-        _check_target_values(t, C, ignore_index)
+    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward)
+    if target_check is not None:
+        target_check.finish()
     outputs = [loss]
     lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:

@@ -1,13 +1,20 @@
-"""Experiment for the next GPU session: the cross-entropy forward at V = 32768 (M = 4096 bf16
-rows, class targets), 0.72 of copy through do_bench and ~0.85 in the profiler against the
-0.90 bar, no launch configuration better (scripts/tune_cross_entropy.py). Where the rest
-goes, three ways, each timed by do_bench and by its kernels in torch.profiler:
-- the library's launch with reduction mean: the zeroed int32 flags (a fill kernel) and
-  every row program's acq_rel arrival count for the fused mean;
-- the library's launch with reduction none: neither;
+"""The cross-entropy forward at V = 32768 (M = 4096 bf16 rows, class targets), 0.72 of copy
+through do_bench and ~0.85 in the profiler against the 0.90 bar, no launch configuration
+better (scripts/tune_cross_entropy.py). Where the rest goes, each timed by do_bench and by
+its kernels in torch.profiler:
+- the library's launch with reduction mean;
+- the library's launch with reduction none;
 - this file's kernel, reduction none, with the row's target and its logit loaded before the
   loop over the row's chunks instead of after it (at V = 32768 a row is four chunks, and
-  the target's dependent load, a round trip, ended every row).
+  the target's dependent load, a round trip, ended every row);
+- the public call, mean, with and without the eager target check.
+
+Session 5, first run (H200, copy 4.24 TB/s), when the mean was fused into the forward
+(every row program counted its arrival with an acq_rel atomic, the last one reduced):
+mean 0.0869 ms (0.728), kernel 74.6 us, plus a 0.7 us fill of the counters; none 0.0763 ms
+(0.830), kernel 65.8 us; target prefetched 0.0764 ms (0.829), kernel 65.0 us. So the
+arrival atomics cost 9 us of kernel time and the late target load nothing; the library now
+reduces in a one-program kernel of its own.
 
     python scripts/exp_ce_forward.py
 """
@@ -19,6 +26,8 @@ import triton
 import triton.language as tl
 from exp_host_gaps import kernels_of
 from measure import long_rows, print_fraction
+
+import pintail
 
 ce = importlib.import_module("pintail.cross_entropy")
 
@@ -74,7 +83,9 @@ def main():
         target = torch.randint(0, V, (M,), device="cuda")
         runs = {"library, mean": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
                 "library, none": lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "none"),
-                "target prefetched, none": lambda: prefetched_forward(x, target)}
+                "target prefetched, none": lambda: prefetched_forward(x, target),
+                "public call, checked": lambda: pintail.cross_entropy(x, target),
+                "public call, unchecked": lambda: pintail.cross_entropy(x, target, check_target=False)}
         for name, fn in runs.items():
             print_fraction(name, fn, M * V * 2, copy_bw)
             for kernel, (count, gpu_us) in sorted(kernels_of(fn).items(), key=lambda kv: -kv[1][1]):

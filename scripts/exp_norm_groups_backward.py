@@ -138,6 +138,7 @@ def _driver():
 def resident_programs(compiled, device):
     """How many programs of a compiled kernel the GPU holds at once."""
     blocks = ctypes.c_int(0)
+    compiled._init_handles()  # a kernel only compiled (warmup) has no function handle yet
     status = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
         ctypes.byref(blocks), compiled.function, compiled.metadata.num_warps * 32, compiled.metadata.shared)
     assert status == 0, f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUresult {status}"
@@ -185,7 +186,8 @@ def check_against_long(name, backward, cases, device, with_dh=True):
                                   {**norm.BACKWARD_LONG, "BLOCK": 64})
             for g, r in zip(got, want):
                 if r is not None:
-                    err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                    # relative to max(|r|, 1): at N = 1 dx is a cancellation near 0 (1e-6)
+                    err = ((g - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
                     assert err < 1e-4, f"rms={rms} M={M} N={N}: relative error {err}"
             assert torch.equal(backward(dy, dh, x, w, not rms, mean, rstd, rms, cfg)[1], got[1])
     print(f"{name} backward matches the long plan ({device})", flush=True)

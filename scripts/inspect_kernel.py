@@ -25,7 +25,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
                     "denom_ptr", "weight_total_ptr", "grad_ptr"}
-INT_POINTERS = {"target_ptr": "*i64", "flags_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
+INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
 
 def signature(fn):
@@ -83,7 +83,7 @@ def main():
     for flags in (False, True):
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),
-                {**options, "REDUCE": 2 if flags else 0, "CHECK": flags, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
+                {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
         inspect(ce._backward_kernel, signature(ce._backward_kernel),
                 {**options, "MEAN": flags, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
     for rms in (True, False):

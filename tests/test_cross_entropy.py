@@ -278,9 +278,9 @@ def test_unchecked_bad_target_gives_nan_not_a_wild_read(device):
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-def test_bad_target_is_flagged_by_the_kernel(reduction, monkeypatch, device):
-    """The eager check: the forward kernel flags an out-of-range target, and only then is
-    the target read on the host to name it (a good target costs no host-side scan)."""
+def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, device):
+    """The eager check: a kernel counts out-of-range targets, and only then is the target
+    read on the host to name it (a good target costs no host-side scan)."""
     scans = []
     original = ce_module._check_target_values
     monkeypatch.setattr(ce_module, "_check_target_values", lambda *a: (scans.append(1), original(*a)))
@@ -294,6 +294,19 @@ def test_bad_target_is_flagged_by_the_kernel(reduction, monkeypatch, device):
             pintail.cross_entropy(logits, torch.tensor(bad, device=device), reduction=reduction, inplace_backward=True)
         assert torch.equal(logits, x.detach())  # raised before anything was written in place
     assert len(scans) == 2
+
+
+def test_check_kernel_counts_bad_targets_past_its_block(device):
+    """The check kernel loops over blocks of targets: bad ones in the second and third count."""
+    target = torch.randint(0, 50, (2 * ce_module.TARGET_CHECK_BLOCK + 5,), device=device)
+    target[::7] = -100
+    assert ce_module._TargetCheck(target, 50, -100).bad_targets() == 0
+    target[ce_module.TARGET_CHECK_BLOCK + 3] = 50
+    target[-1] = -1
+    assert ce_module._TargetCheck(target, 50, -100).bad_targets() == 2
+    check = ce_module._TargetCheck(target.int(), 50, -100)
+    with pytest.raises(IndexError, match=rf"target\[{ce_module.TARGET_CHECK_BLOCK + 3}\] = 50 is out of bounds"):
+        check.finish()
 
 
 def test_bad_input(device):
