@@ -176,6 +176,11 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                                  HAS_RESIDUAL)
         x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
                                  HAS_RESIDUAL)
+        if not RMS:  # both rows' first values (the shift), issued with the slices' loads, not after the wait
+            first = _load_normalised(x_ptr, residual_ptr, h_ptr, row, 0, row < M, x_row_stride, residual_row_stride,
+                                     HAS_RESIDUAL)
+            pilot = _load_normalised(x_ptr, residual_ptr, h_ptr, done, 0, done >= 0, x_row_stride,
+                                     residual_row_stride, HAS_RESIDUAL)
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
         if row < M:
             if HAS_RESIDUAL:
@@ -183,8 +188,6 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
             if RMS:
                 split.publish(slots_ptr, ticket, tl.sum(x_new * x_new, axis=0), tl.full((), 1.0, tl.float32))
             else:
-                first = _load_normalised(x_ptr, residual_ptr, h_ptr, row, 0, True, x_row_stride,
-                                         residual_row_stride, HAS_RESIDUAL)
                 s = tl.where(new, x_new - first, 0.0)
                 squares = tl.sum(s * s, axis=0)
                 squares = (squares.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
@@ -195,8 +198,6 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 centred = x_old
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
             else:
-                pilot = _load_normalised(x_ptr, residual_ptr, h_ptr, done, 0, True, x_row_stride,
-                                         residual_row_stride, HAS_RESIDUAL)
                 shifted_mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n - shifted_mean * shifted_mean
                 var = tl.maximum(var, 0.0)
