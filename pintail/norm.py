@@ -359,11 +359,12 @@ FORWARD_LONG = {"plan": "long", "BLOCK": 16384, "num_warps": 16}
 FORWARD_LONG_UP_TO = 32768
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
-# waits: 0.65 against 0.82 at N = 262144.
+# waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
+# once (session 5), a full round 0.67.
 FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
                  "rms+residual": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2,
                                   "LAG_ROUNDS": 1},
-                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}}
+                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 
 
