@@ -597,7 +597,7 @@ class _TargetCheck:
             device_count, self.count = self.count, torch.empty(1, dtype=torch.int32, pin_memory=True)
             self.count.copy_(device_count, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(target.device))  # the kernel's and the copy's stream
 
     def bad_targets(self) -> int:
         if self.done is not None:

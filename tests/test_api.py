@@ -135,6 +135,9 @@ def test_tensors_on_another_gpu_than_the_current_one(device):
         for g, g_ref in zip(grads, grads_ref):
             if g_ref is not None:
                 torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+    for _ in range(20):  # the eager target check waits on the check kernel's stream, on the tensors' GPU
+        with pytest.raises(IndexError, match=r"target\[5\] = 40000 is out of bounds"):
+            pintail.cross_entropy(x, torch.where(torch.arange(8, device=other) == 5, 40000, target))
 
 
 def test_past_2_to_the_31_elements(device):
