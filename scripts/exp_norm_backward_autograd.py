@@ -6,6 +6,19 @@ autograd (do_bench), the step's host time (a loop of calls, one synchronisation)
 step's kernels (torch.profiler). The experimental plans are swapped in for the library's
 by patching pintail.norm._backward, which the autograd node calls.
 
+Session 5 (H200, copy 4.25 TB/s), two runs of the long plan then one of each:
+
+| plan | direct | through autograd | host per step | kernels |
+|---|---|---|---|---|
+| long (library) | 0.341 ms (0.556) | 0.400 / 0.344 ms (0.474 / 0.551) | 346 / 344 us | 195 + 135 us |
+| groups | 0.275 ms (0.689) | 0.504 ms (0.376) | 462 us | - |
+| blocks | 0.295 ms (0.642) | 0.468 ms (0.405) | 356 us | - |
+
+The step is host-bound for every plan (~350 us of host time per step against 275-340 us of
+GPU time), and the measured time is about the host's time to the plan's big launch (minus
+the ~60 us L2 flush before it) plus that kernel: the long plan starts its first kernel
+early and overlaps the rest; the single-kernel plans lose their kernel's gain and more.
+
     python scripts/exp_norm_backward_autograd.py
 """
 

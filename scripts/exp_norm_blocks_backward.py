@@ -22,6 +22,18 @@ Predicted: the groups plan's 0.63-0.70 (RMSNorm) less the ticket atomics (one pe
 of a slice), and without its 0.35-0.63 through autograd if that came from the cooperative
 launch; to check next to it with scripts/exp_host_gaps.py-style timing through autograd.
 
+Session 5 (H200, kernel alone, fraction of copy; long = the library's two kernels):
+
+| N | RMS long | RMS blocks, best (ROWS, BLOCK / warps / per SM) | LN long | LN blocks, best |
+|---|---|---|---|---|
+| 32768 | 0.556 | 0.643 (32, 2048 / 4 / 4) | 0.542 | 0.449 (16, 2048 / 4 / 4) |
+| 131072 | 0.562 | 0.617 (32, 4096 / 8 / 2) | 0.543 | 0.421 (16, 2048 / 4 / 4) |
+| 262144 | 0.558 | 0.599 (32, 2048 / 4 / 4) | 0.540 | 0.492 (32, 8192 / 16 / 1) |
+
+Predicted: the groups plan's 0.63-0.70; got 0.60-0.64 for RMSNorm and less than the long
+plan for LayerNorm (168-176 registers). Through autograd it lost to the long plan
+(scripts/exp_norm_backward_autograd.py). Not taken.
+
     python scripts/exp_norm_blocks_backward.py
 """
 
