@@ -25,6 +25,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
                     "denom_ptr", "weight_total_ptr", "grad_ptr"}
+EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
 
@@ -53,7 +54,7 @@ def inspect(fn, signature, constexprs, num_warps):
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
                                                                    "rows_per_program", "HQ", "HK", "S", "D")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
