@@ -652,7 +652,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if prob_target:
         t = unit_stride(target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(M, C))
     else:
-        t = target.reshape(-1)
+        t = target.reshape(-1).contiguous()  # the kernels index targets and weights with unit stride
+    weight = weight.contiguous() if weight is not None else None
     target_check = None
     if not prob_target:
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())

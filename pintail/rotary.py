@@ -346,6 +346,8 @@ def rotary(x, cos, sin, *, position_ids=None, seq_offset=0, layout="bshd", rotar
 
 def _apply(name, tensors, cos, sin, position_ids, seq_offset, layout, rotary_dim, interleaved, cu_seqlens, inplace):
     seq_dim, rotary_dim = _check(name, tensors, cos, sin, layout, rotary_dim, position_ids, cu_seqlens, seq_offset)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():  # the kernel reads both with cos's strides
+        cos, sin = cos.contiguous(), sin.contiguous()
     positions = position_ids
     if cu_seqlens is not None:
         positions = _positions_from(cu_seqlens, tensors[0][1].shape[0], seq_offset)

@@ -247,6 +247,22 @@ def test_non_contiguous_logits(layout, device):
     check(x, target, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("layout", ["every_other", "expanded"])
+def test_targets_and_weights_of_any_strides(layout, device):
+    """Class targets and weights that are strided views, or expanded from one element
+    (stride 0): the kernels index them with unit stride, so they are made contiguous."""
+    M, V = 6, 40
+    x = torch.randn(M, V, device=device)
+    if layout == "every_other":
+        target = class_targets(2 * M, V, device)[::2]
+        weight = (torch.rand(2 * V, device=device) + 0.1)[::2]
+    else:
+        target = torch.tensor([7], device=device).expand(M)
+        weight = torch.tensor([0.5], device=device).expand(V)
+    assert not target.is_contiguous() and not weight.is_contiguous()
+    check(x, target, weight=weight, label_smoothing=0.1)
+
+
 def test_long_rows_need_no_copy(device, monkeypatch):
     """Logits that are a slice of a wider buffer reach the kernels as they are."""
     seen = []

@@ -125,6 +125,19 @@ def test_strided_views(device):
     assert grad[:, :, 2 * H:].abs().max() == 0  # v got no gradient
 
 
+def test_tables_of_any_strides(device):
+    """cos / sin that are strided views (a feature stride of 2), or of different layouts
+    from each other: the kernel reads both with cos's strides, so they are made alike."""
+    B, S, H, D = 2, 5, 3, 16
+    x = torch.randn(B, S, H, D, device=device, requires_grad=True)
+    both = torch.randn(S, 2 * D, device=device)
+    cos, sin = both[:, ::2], both[:, 1::2]
+    expected = (cos[None].expand(B, -1, -1), sin[None].expand(B, -1, -1))
+    check(x, pintail.rotary(x, cos, sin), *expected, False, "bshd")
+    sin_transposed = sin.t().contiguous().t()  # same values, strides (1, S)
+    check(x, pintail.rotary(x, cos.contiguous(), sin_transposed), *expected, False, "bshd")
+
+
 def test_inplace(device):
     B, S, H, D = 2, 4, 3, 16
     cos, sin = tables(S, D, device)
