@@ -288,6 +288,8 @@ def _check(name, tensors, cos, sin, layout, rotary_dim, position_ids, cu_seqlens
                          f"feature) nor rotary_dim / 2 = {rotary_dim // 2} (a column per pair)")
     seq_len = first.shape[0] if ndim == 3 else first.shape[seq_dim]
     batch = 1 if ndim == 3 else first.shape[0]
+    if seq_offset < 0:
+        raise ValueError(f"{name}: seq_offset must be >= 0 (the position of the first token), got {seq_offset}")
     if cos.dim() == 3:
         if position_ids is not None or cu_seqlens is not None or seq_offset:
             raise ValueError(f"{name}: per-token cos/sin (batch, seq, width) take no position_ids, cu_seqlens "

@@ -182,6 +182,8 @@ def test_positions_outside_the_table(device):
         pintail.rotary(x, cos, sin, position_ids=torch.tensor([[0, 1, 12, 3]], device=device))
     with pytest.raises(ValueError, match=r"cos/sin have 10 positions, too short for positions 8..11"):
         pintail.rotary(x, cos, sin, seq_offset=8)
+    with pytest.raises(ValueError, match=r"seq_offset must be >= 0 \(the position of the first token\), got -1"):
+        pintail.rotary(x, cos, sin, seq_offset=-1)
 
 
 def test_bad_input(device):
