@@ -23,7 +23,7 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)
-        for script in exp_backward_timeline exp_rows_bf16; do
+        for script in exp_norm_partials exp_backward_timeline exp_rows_bf16; do
             timeout 170 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
             echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -40
         done ;;
