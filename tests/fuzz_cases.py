@@ -1,0 +1,211 @@
+"""Random cases of every op against float64 torch, forward and gradients: random dtypes,
+shapes (empty ones too), strided / transposed / expanded layouts, and the options each op
+takes. Each case function draws from `rng` (a random.Random), runs pintail and torch, and
+raises AssertionError on a mismatch. Used by tests/test_fuzz.py (a few seeded cases per
+run) and scripts/fuzz_against_torch.py (many). Session 5 found with these that strided or
+expanded class targets and weights (cross-entropy) and cos / sin of different strides
+(rotary) gave wrong answers."""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+import pintail
+from test_rotary import hf_rotary, widen
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tolerance(*dtypes):
+    return 1e-4 if all(d == torch.float32 for d in dtypes) else 3e-2
+
+
+def close(name, got, want, tol, scale=1.0):
+    """Raise unless got matches the float64 want within tol (relative, and absolute times
+    scale); NaN where want is NaN."""
+    if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol * scale, equal_nan=True):
+        err = (got.double() - want.double()).abs().nan_to_num(float("inf")).max().item()
+        raise AssertionError(f"{name}: max error {err:.3g} (tolerance {tol:.1g} x {scale:.3g})")
+
+
+def layout(t, kind):
+    """t's values in another layout: 0 as is, 1 every other element of a wider buffer,
+    2 transposed storage, 3 a slice of rows of a taller buffer."""
+    if kind == 1 and t.dim() >= 1:
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if kind == 2 and t.dim() >= 2:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    if kind == 3 and t.dim() >= 1:
+        tall = torch.zeros(t.shape[0] + 2, *t.shape[1:], dtype=t.dtype, device=t.device)
+        tall[1:-1] = t
+        return tall[1:-1]
+    return t
+
+
+@contextlib.contextmanager
+def case_of(description):
+    """A failed check inside names the case."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"{description}: {e}") from None
+
+
+def grads(out, inputs, upstream):
+    return torch.autograd.grad(out, inputs, upstream, allow_unused=True)
+
+
+def cross_entropy_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    C = rng.choice([1, 2, 5, 17, 64, 300])
+    ndim = rng.choice([1, 2, 2, 3, 4])
+    shape = (C,) if ndim == 1 else (rng.choice([0, 1, 3, 6]), C) + tuple(rng.choice([1, 2, 3]) for _ in range(ndim - 2))
+    x = layout(torch.randn(shape, device=device) * rng.choice([1, 5, 30]), rng.randint(0, 3)).to(dtype)
+    kw = {"reduction": rng.choice(["none", "mean", "sum"]), "label_smoothing": rng.choice([0.0, 0.0, 0.1, 1.0])}
+    prob = rng.random() < 0.3
+    if prob:
+        target = torch.softmax(torch.randn(shape, device=device), dim=0 if ndim == 1 else 1).to(dtype)
+        target_ref = target.double()
+    else:
+        target = torch.randint(0, C, () if ndim == 1 else (shape[0],) + shape[2:], device=device)
+        if rng.random() < 0.5 and target.numel():
+            kw["ignore_index"] = rng.choice([-100, 0, C - 1])
+            target = torch.where(torch.rand(target.shape, device=device) < 0.3, kw["ignore_index"], target)
+        target_ref = target
+        target = layout(target, rng.choice([0, 1, 3])).to(rng.choice([torch.int64, torch.int32]))
+    if rng.random() < 0.4:
+        weight = layout(torch.rand(C, device=device) + 0.1, rng.choice([0, 1])).to(rng.choice([torch.float32, dtype]))
+        kw["weight"] = weight
+    with case_of(f"cross_entropy {tuple(shape)} {dtype} prob={prob} {kw.get('reduction')}"):
+        x_ours, x_ref = x.detach().requires_grad_(), x.detach().double().requires_grad_()
+        ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        out, ref = pintail.cross_entropy(x_ours, target, **kw), F.cross_entropy(x_ref, target_ref, **ref_kw)
+        assert out.shape == ref.shape and out.dtype == dtype, f"{out.shape} {out.dtype}, want {ref.shape} {dtype}"
+        tol = tolerance(dtype)
+        close("loss", out, ref, tol)
+        if out.numel() and torch.isfinite(ref).all():
+            upstream = torch.randn(out.shape, device=device).to(dtype)
+            close("dx", grads(out, x_ours, upstream)[0], grads(ref, x_ref, upstream.double())[0], tol)
+
+
+def norm_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    rms = rng.random() < 0.5
+    norm_shape = rng.choice([(7,), (33,), (1,), (4, 5), (1000,), (4097,)])
+    shape = rng.choice([(), (0,), (3,), (2, 3)]) + norm_shape
+    x = torch.randn(shape, device=device) * rng.choice([1, 10]) + (0 if rms else rng.choice([0, 100]))
+    x = layout(x.to(dtype), rng.randint(0, 3))
+    param_dtype = rng.choice([dtype, torch.float32])
+    weight = layout(torch.randn(norm_shape, device=device), rng.choice([0, 0, 1])).to(param_dtype) \
+        if rng.random() < 0.8 else None
+    bias = torch.randn(norm_shape, device=device).to(param_dtype) if rng.random() < 0.6 else None
+    eps = rng.choice([None, 1e-5, 1e-2]) if rms else rng.choice([1e-5, 1e-2])
+    ours = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    refs = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    dims = tuple(range(-len(norm_shape), 0))
+    if rms:
+        offset = rng.choice([0.0, 0.0, 1.0])
+        out = pintail.rms_norm(ours[0], norm_shape, ours[1], eps, bias=ours[2], weight_offset=offset)
+        h = refs[0]
+        ref = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(torch.float32).eps if eps is None
+                                                                   else eps))
+        ref = ref * (offset + refs[1]) if refs[1] is not None else ref
+        ref = ref + refs[2] if refs[2] is not None else ref
+    else:
+        out = pintail.layer_norm(ours[0], norm_shape, ours[1], ours[2], eps)
+        ref = F.layer_norm(refs[0], norm_shape, refs[1], refs[2], eps)
+    kind = "rms_norm" if rms else "layer_norm"
+    with case_of(f"{kind} {tuple(shape)} {dtype} x.stride={x.stride()} params {param_dtype}"):
+        assert out.shape == ref.shape and out.dtype == dtype
+        tol = tolerance(dtype)
+        if ref.numel():
+            close("y", out, ref, tol, max(1.0, ref.abs().max().item()))
+            upstream = torch.randn(out.shape, device=device).to(dtype)
+            pairs = [(o, r) for o, r in zip(ours, refs) if o is not None]
+            got = grads(out, [o for o, _ in pairs], upstream)
+            want = grads(ref, [r for _, r in pairs], upstream.double())
+            for name, g, w, (o, _) in zip("xwb", got, want, pairs):
+                assert g.dtype == o.dtype, f"d{name} dtype {g.dtype}, want {o.dtype}"
+                # dweight / dbias sum over rows: their error grows with the row count
+                close(f"d{name}", g, w, tol, max(1.0, w.abs().max().item()) * (1 if name == "x" else 10))
+
+
+def softmax_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    shape = tuple(rng.choice([0, 1, 2, 3, 7, 65]) for _ in range(rng.randint(0, 4)))
+    if shape and rng.random() < 0.2:
+        shape = shape[:-1] + (rng.choice([1000, 4097]),)
+    x = (torch.randn(shape, device=device) * rng.choice([1, 10, 100])).to(dtype)
+    if x.numel() and rng.random() < 0.2:
+        x.view(-1)[0] = -float("inf")
+    if x.dim() >= 2 and rng.random() < 0.4:
+        x = x.transpose(0, -1)
+    if x.dim() >= 1 and x.shape[-1] > 1 and rng.random() < 0.3:
+        x = x[..., ::2]
+    dim = rng.randint(-max(x.dim(), 1), max(x.dim(), 1) - 1)
+    log = rng.random() < 0.5
+    out_dtype = rng.choice([None, None, torch.float32])
+    ours, theirs = (pintail.log_softmax, torch.log_softmax) if log else (pintail.softmax, torch.softmax)
+    x_ours, x_ref = x.detach().requires_grad_(), x.detach().double().requires_grad_()
+    out, ref = ours(x_ours, dim, dtype=out_dtype), theirs(x_ref, dim)
+    kind = "log_softmax" if log else "softmax"
+    with case_of(f"{kind} {tuple(x.shape)} stride={x.stride()} {dtype} dim={dim} dtype={out_dtype}"):
+        assert out.shape == ref.shape and out.dtype == (out_dtype or dtype)
+        tol = tolerance(dtype, out_dtype or dtype)
+        close("y", out, ref.to(out.dtype), tol)
+        if out.numel():
+            upstream = torch.randn(out.shape, device=device).to(out.dtype)
+            got, want = grads(out, x_ours, upstream)[0], grads(ref, x_ref, upstream.double())[0]
+            finite = torch.isfinite(want)
+            assert got.dtype == dtype
+            close("dx", got[finite], want[finite], tol, max(1.0, want[finite].abs().max().item()) if finite.any() else 1)
+
+
+def rotary_case(rng, device):
+    dtype = rng.choice(DTYPES)
+    B, S = rng.choice([1, 2]), rng.choice([1, 3, 9])
+    HQ, HK = rng.choice([(4, 2), (2, 2), (3, 1)])
+    D = rng.choice([8, 16, 24])
+    rotary_dim = rng.choice([d for d in (2, 4, 8, D) if d <= D])
+    interleaved, per_pair, layout_name = rng.random() < 0.5, rng.random() < 0.5, rng.choice(["bshd", "bhsd"])
+    positions = S + rng.choice([0, 3])
+    table_dtype = rng.choice([dtype, torch.float32])
+    cos_pairs, sin_pairs = (torch.randn(positions, rotary_dim // 2, device=device).to(table_dtype) for _ in range(2))
+    cos, sin = (t if per_pair else widen(t, interleaved) for t in (cos_pairs, sin_pairs))
+    cos, sin = layout(cos, rng.choice([0, 1])), layout(sin, rng.choice([0, 1, 2]))
+    kw = dict(rotary_dim=rotary_dim, interleaved=interleaved, layout=layout_name)
+    mode = rng.choice(["offset", "position_ids", "plain"])
+    rows = torch.arange(S, device=device)[None].expand(B, S)
+    if mode == "offset":
+        kw["seq_offset"] = rng.randint(0, positions - S)
+        rows = rows + kw["seq_offset"]
+    elif mode == "position_ids":
+        rows = kw["position_ids"] = torch.randint(0, positions, (B, S), device=device)
+
+    def make(heads):
+        t = torch.randn(B, S, heads, D, device=device).to(dtype)
+        return t if layout_name == "bshd" else layout(t.transpose(1, 2), rng.choice([0, 2]))
+    q, k = make(HQ), make(HK)
+    cos_full, sin_full = (widen(t[rows], interleaved).double() for t in (cos_pairs, sin_pairs))
+
+    def reference(t):
+        as_bshd = t if layout_name == "bshd" else t.transpose(1, 2)
+        out = hf_rotary(as_bshd, cos_full, sin_full, interleaved)
+        return out if layout_name == "bshd" else out.transpose(1, 2)
+    ours = [t.detach().requires_grad_() for t in (q, k)]
+    refs = [t.detach().double().requires_grad_() for t in (q, k)]
+    outs, wants = pintail.apply_rotary(*ours, cos, sin, **kw), [reference(t) for t in refs]
+    with case_of(f"rotary {dtype} B{B} S{S} H{HQ}/{HK} D{D} rotary_dim {rotary_dim} {layout_name} {mode}"):
+        tol = tolerance(dtype, table_dtype)
+        upstream = [torch.randn_like(o) for o in outs]
+        for name, o, w in zip("qk", outs, wants):
+            assert o.dtype == dtype
+            close(name, o, w, tol, 4)
+        for name, g, w in zip("qk", grads(outs, ours, upstream), grads(wants, refs, [u.double() for u in upstream])):
+            close(f"d{name}", g, w, tol, 4)
+
+
+CASES = {"cross_entropy": cross_entropy_case, "norm": norm_case, "softmax": softmax_case, "rotary": rotary_case}
