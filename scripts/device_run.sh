@@ -2,7 +2,7 @@
 # One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
-#   bash scripts/device_run.sh tests-b     # rotary, softmax (~1.5 min)
+#   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~2 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
 #   bash scripts/device_run.sh experiments   # the prepared experiments of docs/perf-notes.md (~2 min)
 set -o pipefail
@@ -18,7 +18,7 @@ pytest_cuda() {
 }
 case $mode in
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py tests/test_norm.py ;;
-    tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py ;;
+    tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py tests/test_fuzz.py ;;
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
