@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import pintail
+from test_cross_entropy import torch_cross_entropy
 from test_rotary import hf_rotary, widen
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -79,13 +80,17 @@ def cross_entropy_case(rng, device):
     if rng.random() < 0.4:
         weight = layout(torch.rand(C, device=device) + 0.1, rng.choice([0, 1])).to(rng.choice([torch.float32, dtype]))
         kw["weight"] = weight
+    kw.update(z_loss=rng.choice([0.0, 0.0, 1e-3]), softcap=rng.choice([None, None, 5.0, 30.0]))
     with case_of(f"cross_entropy {tuple(shape)} {dtype} prob={prob} {kw.get('reduction')}"):
         x_ours, x_ref = x.detach().requires_grad_(), x.detach().double().requires_grad_()
         ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-        out, ref = pintail.cross_entropy(x_ours, target, **kw), F.cross_entropy(x_ref, target_ref, **ref_kw)
+        out, z, lse = pintail.cross_entropy(x_ours, target, **kw, return_z_loss=True, return_lse=True)
+        ref, z_ref, lse_ref = torch_cross_entropy(x_ref, target_ref, **ref_kw)
         assert out.shape == ref.shape and out.dtype == dtype, f"{out.shape} {out.dtype}, want {ref.shape} {dtype}"
         tol = tolerance(dtype)
         close("loss", out, ref, tol)
+        close("z-loss", z, z_ref, tol)
+        close("lse", lse, lse_ref, tol, max(1.0, lse_ref.abs().max().item()) if lse_ref.numel() else 1.0)
         if out.numel() and torch.isfinite(ref).all():
             upstream = torch.randn(out.shape, device=device).to(dtype)
             close("dx", grads(out, x_ours, upstream)[0], grads(ref, x_ref, upstream.double())[0], tol)
