@@ -64,7 +64,7 @@ def cross_entropy_case(rng, device):
     C = rng.choice([1, 2, 5, 17, 64, 300])
     ndim = rng.choice([1, 2, 2, 3, 4])
     shape = (C,) if ndim == 1 else (rng.choice([0, 1, 3, 6]), C) + tuple(rng.choice([1, 2, 3]) for _ in range(ndim - 2))
-    x = layout(torch.randn(shape, device=device) * rng.choice([1, 5, 30]), rng.randint(0, 3)).to(dtype)
+    x = layout(torch.randn(shape, device=device) * rng.choice([1, 5, 30, 1e4]), rng.randint(0, 3)).to(dtype)
     kw = {"reduction": rng.choice(["none", "mean", "sum"]), "label_smoothing": rng.choice([0.0, 0.0, 0.1, 1.0])}
     prob = rng.random() < 0.3
     if prob:
@@ -88,8 +88,8 @@ def cross_entropy_case(rng, device):
         ref, z_ref, lse_ref = torch_cross_entropy(x_ref, target_ref, **ref_kw)
         assert out.shape == ref.shape and out.dtype == dtype, f"{out.shape} {out.dtype}, want {ref.shape} {dtype}"
         tol = tolerance(dtype)
-        close("loss", out, ref, tol)
-        close("z-loss", z, z_ref, tol)
+        close("loss", out, ref.to(dtype), tol)  # rounded: a loss past fp16's range is inf in both
+        close("z-loss", z, z_ref.to(dtype), tol)
         close("lse", lse, lse_ref, tol, max(1.0, lse_ref.abs().max().item()) if lse_ref.numel() else 1.0)
         if out.numel() and torch.isfinite(ref).all():
             upstream = torch.randn(out.shape, device=device).to(dtype)
