@@ -582,7 +582,7 @@ def _check_target_values(target, C, ignore_index):
 
 
 class _TargetCheck:
-    """The eager check of class indices, in two steps around the forward launch: start()
+    """The eager check of class indices, in two steps around the forward launch: making one
     launches a one-program kernel that counts the bad targets, copies the count to pinned
     host memory and records an event; finish() waits for that event (the forward kernel,
     launched in between, keeps running) and, if a target is bad, names it."""
