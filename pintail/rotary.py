@@ -188,29 +188,44 @@ def _rotate_in_place(tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace):
+    def forward(ctx, x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved):
         geometry = (seq_dim, seq_offset, rotary_dim, interleaved)
-        if inplace:
-            _rotate_in_place([t for t in (x, y) if t is not None], cos, sin, positions, *geometry)
-            ctx.mark_dirty(*[t for t in (x, y) if t is not None])
-            x_out, y_out = x, y
-        else:
-            x_out, y_out = _rotate(x, y, cos, sin, positions, *geometry, backward=False)
-            y_out = y_out if y is not None else None
+        x_out, y_out = _rotate(x, y, cos, sin, positions, *geometry, backward=False)
         ctx.save_for_backward(cos, sin, positions)
         ctx.geometry = geometry
         ctx.set_materialize_grads(False)
-        return x_out, y_out
+        return x_out, (y_out if y is not None else None)
 
     @staticmethod
     def backward(ctx, dx, dy):
         cos, sin, positions = ctx.saved_tensors
         if dx is None and dy is None:
-            return (None,) * 10
+            return (None,) * 9
         first, second = (dx, dy) if dx is not None else (dy, None)
         out_first, out_second = _rotate(first, second, cos, sin, positions, *ctx.geometry, backward=True)
         grads = (out_first, out_second if second is not None else None) if dx is not None else (None, out_first)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+class _RotaryInPlace(torch.autograd.Function):
+    """inplace=True with autograd: one tensor rotated in its own storage. autograd lets a
+    Function modify a view in place (q and k sliced out of a fused projection, or a packed
+    batch seen with a leading dim) only if that tensor is its one output, so q and k take a
+    node and a launch each here."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved):
+        ctx.geometry = (seq_dim, seq_offset, rotary_dim, interleaved)
+        _rotate_in_place([x], cos, sin, positions, *ctx.geometry)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin, positions)
+        return x
+
+    @staticmethod
+    def backward(ctx, dx):
+        cos, sin, positions = ctx.saved_tensors
+        dx_in, _ = _rotate(dx, None, cos, sin, positions, *ctx.geometry, backward=True)
+        return dx_in, None, None, None, None, None, None, None
 
 
 _rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=())
@@ -329,6 +344,8 @@ def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bsh
       pair, flash-attention); rotary_dim defaults to width; features past it pass through.
     - interleaved: pairs (2i, 2i + 1) (GPT-J) instead of (i, i + rotary_dim / 2) (GPT-NeoX).
     - inplace: rotate q and k in their own storage (eager; under torch.compile out of place).
+      Views work, e.g. q and k sliced out of a fused projection; with autograd, q and k then
+      take a launch each (autograd allows in-place on a view only in a one-output node).
     Backward through autograd (the transpose rotation); cos and sin get no gradient. q and k
     go through one launch and one autograd node: taking their gradients in two separate
     torch.autograd.grad calls needs retain_graph=True on the first.
@@ -357,9 +374,16 @@ def _apply(name, tensors, cos, sin, position_ids, seq_offset, layout, rotary_dim
     if positions is not None and not tracing:
         _check_positions(name, positions, cos.shape[0])
     x, y = [t.unsqueeze(0) if cu_seqlens is not None else t for _, t in tensors] + [None] * (2 - len(tensors))
+    geometry = (seq_dim, seq_offset, rotary_dim, interleaved)
     if torch.compiler.is_compiling():
-        x_out, y_out = _rotary_op(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, False)
-    else:
-        x_out, y_out = _Rotary.apply(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, inplace)
+        x_out, y_out = _rotary_op(x, y, cos, sin, positions, *geometry, False)
+    elif not inplace:
+        x_out, y_out = _Rotary.apply(x, y, cos, sin, positions, *geometry)
+    elif torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
+        x_out, y_out = [_RotaryInPlace.apply(t, cos, sin, positions, *geometry) if t is not None else None
+                        for t in (x, y)]
+    else:  # nothing to differentiate: q and k in one launch
+        _rotate_in_place([t for t in (x, y) if t is not None], cos, sin, positions, *geometry)
+        x_out, y_out = x, y
     outputs = (x_out, y_out) if y is not None else (x_out,)
     return tuple(o.squeeze(0) if cu_seqlens is not None else o for o in outputs)

@@ -107,35 +107,46 @@ def norm_case(rng, device):
     weight = layout(torch.randn(norm_shape, device=device), rng.choice([0, 0, 1])).to(param_dtype) \
         if rng.random() < 0.8 else None
     bias = torch.randn(norm_shape, device=device).to(param_dtype) if rng.random() < 0.6 else None
+    residual = layout(torch.randn(shape, device=device), rng.randint(0, 3)).to(rng.choice([dtype, torch.float32])) \
+        if rms and rng.random() < 0.3 else None
     eps = rng.choice([None, 1e-5, 1e-2]) if rms else rng.choice([1e-5, 1e-2])
-    ours = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-    refs = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    ours = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias, residual)]
+    refs = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias, residual)]
     dims = tuple(range(-len(norm_shape), 0))
     if rms:
         offset = rng.choice([0.0, 0.0, 1.0])
-        out = pintail.rms_norm(ours[0], norm_shape, ours[1], eps, bias=ours[2], weight_offset=offset)
-        h = refs[0]
+        out_dtype = rng.choice([None, None, torch.float32])
+        out = pintail.rms_norm(ours[0], norm_shape, ours[1], eps, residual=ours[3], bias=ours[2],
+                               weight_offset=offset, out_dtype=out_dtype)
+        h = refs[0] + refs[3] if residual is not None else refs[0]
         ref = h * torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + (torch.finfo(torch.float32).eps if eps is None
                                                                    else eps))
         ref = ref * (offset + refs[1]) if refs[1] is not None else ref
         ref = ref + refs[2] if refs[2] is not None else ref
+        h_dtype = torch.promote_types(dtype, residual.dtype) if residual is not None else None
+        outs, wants = ((out[0], out[1]), (ref, h)) if residual is not None else ((out,), (ref,))
+        out_dtypes = (out_dtype or h_dtype or dtype, h_dtype)
     else:
-        out = pintail.layer_norm(ours[0], norm_shape, ours[1], ours[2], eps)
-        ref = F.layer_norm(refs[0], norm_shape, refs[1], refs[2], eps)
+        outs = (pintail.layer_norm(ours[0], norm_shape, ours[1], ours[2], eps),)
+        wants = (F.layer_norm(refs[0], norm_shape, refs[1], refs[2], eps),)
+        out_dtypes = (dtype,)
     kind = "rms_norm" if rms else "layer_norm"
-    with case_of(f"{kind} {tuple(shape)} {dtype} x.stride={x.stride()} params {param_dtype}"):
-        assert out.shape == ref.shape and out.dtype == dtype
+    with case_of(f"{kind} {tuple(shape)} {dtype} x.stride={x.stride()} params {param_dtype} "
+                 f"residual {None if residual is None else residual.dtype}"):
         tol = tolerance(dtype)
-        if ref.numel():
-            close("y", out, ref, tol, max(1.0, ref.abs().max().item()))
-            upstream = torch.randn(out.shape, device=device).to(dtype)
-            pairs = [(o, r) for o, r in zip(ours, refs) if o is not None]
-            got = grads(out, [o for o, _ in pairs], upstream)
-            want = grads(ref, [r for _, r in pairs], upstream.double())
-            for name, g, w, (o, _) in zip("xwb", got, want, pairs):
+        for name, o, w, o_dtype in zip(("y", "h"), outs, wants, out_dtypes):
+            assert o.shape == w.shape and o.dtype == o_dtype, f"{name}: {o.shape} {o.dtype}, want {w.shape} {o_dtype}"
+            if w.numel():
+                close(name, o, w, tol, max(1.0, w.abs().max().item()))
+        if wants[0].numel():
+            upstream = [torch.randn(o.shape, device=device).to(o.dtype) for o in outs]
+            pairs = [(name, o, r) for name, o, r in zip("xwbr", ours, refs) if o is not None]
+            got = grads(outs, [o for _, o, _ in pairs], upstream)
+            want = grads(wants, [r for _, _, r in pairs], [u.double() for u in upstream])
+            for (name, o, _), g, w in zip(pairs, got, want):
                 assert g.dtype == o.dtype, f"d{name} dtype {g.dtype}, want {o.dtype}"
                 # dweight / dbias sum over rows: their error grows with the row count
-                close(f"d{name}", g, w, tol, max(1.0, w.abs().max().item()) * (1 if name == "x" else 10))
+                close(f"d{name}", g, w, tol, max(1.0, w.abs().max().item()) * (10 if name in "wb" else 1))
 
 
 def softmax_case(rng, device):
@@ -176,40 +187,59 @@ def rotary_case(rng, device):
     D = rng.choice([8, 16, 24])
     rotary_dim = rng.choice([d for d in (2, 4, 8, D) if d <= D])
     interleaved, per_pair, layout_name = rng.random() < 0.5, rng.random() < 0.5, rng.choice(["bshd", "bhsd"])
-    positions = S + rng.choice([0, 3])
+    mode = rng.choice(["offset", "position_ids", "plain", "packed", "per_token"])
+    if mode == "packed":  # (total, heads, dim) with cu_seqlens: one row of sequences, positions restart
+        B, layout_name = 1, "bshd"
     table_dtype = rng.choice([dtype, torch.float32])
-    cos_pairs, sin_pairs = (torch.randn(positions, rotary_dim // 2, device=device).to(table_dtype) for _ in range(2))
+    positions = S + rng.choice([0, 3])
+    table_rows = (rng.choice([1, B]), S) if mode == "per_token" else (positions,)
+    cos_pairs, sin_pairs = (torch.randn(*table_rows, rotary_dim // 2, device=device).to(table_dtype) for _ in range(2))
     cos, sin = (t if per_pair else widen(t, interleaved) for t in (cos_pairs, sin_pairs))
     cos, sin = layout(cos, rng.choice([0, 1])), layout(sin, rng.choice([0, 1, 2]))
     kw = dict(rotary_dim=rotary_dim, interleaved=interleaved, layout=layout_name)
-    mode = rng.choice(["offset", "position_ids", "plain"])
     rows = torch.arange(S, device=device)[None].expand(B, S)
     if mode == "offset":
         kw["seq_offset"] = rng.randint(0, positions - S)
         rows = rows + kw["seq_offset"]
     elif mode == "position_ids":
         rows = kw["position_ids"] = torch.randint(0, positions, (B, S), device=device)
+    elif mode == "packed":
+        cuts = sorted(rng.sample(range(1, S), rng.randint(0, S - 1))) if S > 1 else []
+        bounds = [0, *cuts, S]
+        kw["cu_seqlens"] = torch.tensor(bounds, device=device, dtype=torch.int32)
+        rows = torch.cat([torch.arange(b - a, device=device) for a, b in zip(bounds, bounds[1:])])[None]
+    if mode == "per_token":
+        cos_full, sin_full = (widen(t, interleaved).expand(B, S, -1).double() for t in (cos_pairs, sin_pairs))
+    else:
+        cos_full, sin_full = (widen(t[rows], interleaved).double() for t in (cos_pairs, sin_pairs))
 
     def make(heads):
         t = torch.randn(B, S, heads, D, device=device).to(dtype)
         return t if layout_name == "bshd" else layout(t.transpose(1, 2), rng.choice([0, 2]))
     q, k = make(HQ), make(HK)
-    cos_full, sin_full = (widen(t[rows], interleaved).double() for t in (cos_pairs, sin_pairs))
 
     def reference(t):
         as_bshd = t if layout_name == "bshd" else t.transpose(1, 2)
         out = hf_rotary(as_bshd, cos_full, sin_full, interleaved)
         return out if layout_name == "bshd" else out.transpose(1, 2)
-    ours = [t.detach().requires_grad_() for t in (q, k)]
+    leaves = [t.detach().requires_grad_() for t in (q, k)]
+    inplace = rng.random() < 0.25  # rotates its (non-leaf) inputs in their storage
+    ours = [t * 1.0 for t in leaves] if inplace else leaves
     refs = [t.detach().double().requires_grad_() for t in (q, k)]
-    outs, wants = pintail.apply_rotary(*ours, cos, sin, **kw), [reference(t) for t in refs]
-    with case_of(f"rotary {dtype} B{B} S{S} H{HQ}/{HK} D{D} rotary_dim {rotary_dim} {layout_name} {mode}"):
+    if mode == "packed":
+        outs = [o[None] for o in pintail.apply_rotary(*(t[0] for t in ours), cos, sin, inplace=inplace, **kw)]
+    else:
+        outs = pintail.apply_rotary(*ours, cos, sin, inplace=inplace, **kw)
+    wants = [reference(t) for t in refs]
+    with case_of(f"rotary {dtype} B{B} S{S} H{HQ}/{HK} D{D} rotary_dim {rotary_dim} {layout_name} {mode} "
+                 f"inplace={inplace}"):
         tol = tolerance(dtype, table_dtype)
         upstream = [torch.randn_like(o) for o in outs]
-        for name, o, w in zip("qk", outs, wants):
+        for name, o, w, t in zip("qk", outs, wants, ours):
             assert o.dtype == dtype
+            assert not inplace or o.data_ptr() == t.data_ptr(), f"{name}: inplace returned another tensor"
             close(name, o, w, tol, 4)
-        for name, g, w in zip("qk", grads(outs, ours, upstream), grads(wants, refs, [u.double() for u in upstream])):
+        for name, g, w in zip("qk", grads(outs, leaves, upstream), grads(wants, refs, [u.double() for u in upstream])):
             close(f"d{name}", g, w, tol, 4)
 
 

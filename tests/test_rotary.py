@@ -152,6 +152,28 @@ def test_inplace(device):
     assert torch.allclose(grad, grad2, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_inplace_on_views_with_autograd(packed, device):
+    """q and k sliced out of a fused projection (views), rotated in place with autograd: the
+    projection holds the rotated values and the gradient is the out-of-place one's."""
+    S, H, D = 5, 2, 16
+    cos, sin = tables(S, D, device)
+    extra = dict(cu_seqlens=torch.tensor([0, 2, 5], device=device, dtype=torch.int32)) if packed else {}
+    qkv_leaf = torch.randn(S, 3 * H, D, device=device, requires_grad=True)
+    outputs = []
+    for inplace in (True, False):
+        qkv = qkv_leaf * 1.0 if packed else (qkv_leaf * 1.0)[None]
+        q, k = qkv[..., :H, :], qkv[..., H:2 * H, :]
+        q_out, k_out = pintail.apply_rotary(q, k, cos, sin, rotary_dim=D, inplace=inplace, **extra)
+        if inplace:
+            assert q_out.data_ptr() == q.data_ptr() and torch.equal(qkv[..., :H, :], q_out)
+        loss = (q_out * 2).sum() + (k_out ** 2).sum() + qkv[..., 2 * H:, :].sum()
+        (grad,) = torch.autograd.grad(loss, qkv_leaf)
+        outputs.append((q_out.detach(), k_out.detach(), grad))
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_compile_fullgraph(device):
     B, S, H, D = 2, 6, 2, 16
     cos, sin = tables(S, D, device)
