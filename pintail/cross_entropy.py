@@ -456,15 +456,20 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         x, target, weight, stats, mass, denominator = ctx.saved_tensors
+        dtarget = None
+        if ctx.needs_input_grad[1]:  # first: it reads the logits, which an in-place dx overwrites
+            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
+            dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
         if ctx.fused and ctx.reduce.reduction != "none":  # the kernel un-reduces the scalar grad itself
             dx = _backward(grad, x, target, weight, stats, mass, *ctx.options, ctx.inplace, denominator)
         else:
             dx = _backward(ctx.reduce.row_gradients(grad, x.shape[0]), x, target, weight, stats, mass,
                            *ctx.options, ctx.inplace)
-        dtarget = None
-        if ctx.needs_input_grad[1]:
-            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
-            dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
+        if ctx.inplace:
+            # The kernel wrote over the logits behind autograd's back: any other node that saved
+            # them now raises autograd's "modified by an inplace operation" instead of
+            # computing with the gradient's values.
+            torch.autograd.graph.increment_version(x)
         return dx, dtarget, None, None, None, None
 
 
@@ -628,8 +633,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
       order after the loss: (loss, z_loss, lse).
     - inplace_backward: write the gradient into the logits' storage instead of a new tensor.
       Saves the (N, C) gradient's memory; the logits hold the gradient after backward, so use
-      it only when nothing reads them afterwards (eager only: under torch.compile the gradient
-      gets its own tensor).
+      it only when nothing reads them afterwards. Another autograd node that saved the logits
+      and runs its backward later raises autograd's "modified by an inplace operation" error.
+      Leaf logits (made by the caller, not by an op) are never overwritten, and under
+      torch.compile the gradient gets its own tensor.
     - check_target: in eager mode an out-of-range class index raises IndexError. A
       one-program kernel counts such targets before the forward; the host waits for that
       kernel only (not for the forward, which is launched before the wait), and scans the
@@ -664,7 +671,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                 _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
-    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward)
+    # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
+    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
     if target_check is not None:
         target_check.finish()
     outputs = [loss]

@@ -171,6 +171,35 @@ def test_inplace_backward(device):
     assert torch.equal(logits.detach(), expected_logits.grad)  # the logits' storage now holds the gradient
 
 
+def test_inplace_backward_leaves_what_others_hold(device):
+    """inplace_backward never writes over leaf logits. The target's gradient (probability
+    targets) comes from the logits before they are overwritten. Another node that saved
+    the logits raises rather than reading the gradient's values."""
+    x = torch.randn(5, 40, device=device)
+    target = class_targets(5, 40, device)
+    leaf = x.clone().requires_grad_()
+    pintail.cross_entropy(leaf, target, inplace_backward=True).backward()
+    assert torch.equal(leaf.detach(), x)
+    reference = x.clone().requires_grad_()
+    pintail.cross_entropy(reference, target).backward()
+    assert torch.equal(leaf.grad, reference.grad)
+
+    probs = torch.softmax(torch.randn(5, 40, device=device), 1)
+    grads = []
+    for inplace in (False, True):
+        x_leaf, y = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        loss = pintail.cross_entropy(x_leaf * 1.0, y, inplace_backward=inplace)
+        grads.append(torch.autograd.grad(loss, (x_leaf, y)))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
+
+    logits = x.clone().requires_grad_() * 1.0
+    squares = (logits ** 2).sum()  # saves the logits; its backward runs after cross-entropy's
+    loss = pintail.cross_entropy(logits, target, inplace_backward=True) + squares
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
 def test_every_row_ignored(reduction, expected, device):
     x = torch.randn(3, 10, device=device, requires_grad=True)
