@@ -388,16 +388,23 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
 # of microseconds of host time); torch.compile reaches the same functions as custom ops.
 
 
-def _target_grad(grad, x, weight, stats, smoothing, softcap):
-    """dloss/dy for probability targets: -(1 - e) * w * (x' - stats) per row, in torch (an
-    (M, V) temporary, made only when the targets require a gradient)."""
+def _probability_target_grads(grad, x, y, weight, stats, smoothing, softcap, need_target, need_weight):
+    """(dloss/dy, dloss/dweight) for probability targets, in torch (an (M, V) temporary, made
+    only when the targets or the class weights require a gradient). Per row, with
+    lse - x' = (max - x') + log-sum and y' = (1 - e) y + e / V:
+        loss = sum_j w_j y'_j (lse - x'_j) + z lse^2
+        dloss/dy_j = (1 - e) w_j (lse - x'_j),   dloss/dw_j = y'_j (lse - x'_j)"""
     x = x.float()
     if softcap > 0:
         x = softcap * torch.tanh(x / softcap)
-    d = ((stats[:, :1] - x) + stats[:, 1:]) * (1 - smoothing)
-    if weight is not None:
-        d = d * weight.float()
-    return d * grad.float()[:, None]
+    gap = ((stats[:, :1] - x) + stats[:, 1:]) * grad.float()[:, None]
+    dtarget = dweight = None
+    if need_target:
+        dtarget = gap * (1 - smoothing)
+        dtarget = (dtarget * weight.float() if weight is not None else dtarget).to(y.dtype)
+    if need_weight:
+        dweight = (gap * ((1 - smoothing) * y.float() + smoothing / x.shape[1])).sum(0).to(weight.dtype)
+    return dtarget, dweight
 
 
 class _Reduction:
@@ -456,10 +463,11 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         x, target, weight, stats, mass, denominator = ctx.saved_tensors
-        dtarget = None
-        if ctx.needs_input_grad[1]:  # first: it reads the logits, which an in-place dx overwrites
-            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])
-            dtarget = _target_grad(grad_rows, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
+        dtarget = dweight = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # first: they read the logits, which an
+            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])  # in-place dx overwrites
+            dtarget, dweight = _probability_target_grads(grad_rows, x, target, weight, stats, ctx.options[1],
+                                                         ctx.options[3], *ctx.needs_input_grad[1:3])
         if ctx.fused and ctx.reduce.reduction != "none":  # the kernel un-reduces the scalar grad itself
             dx = _backward(grad, x, target, weight, stats, mass, *ctx.options, ctx.inplace, denominator)
         else:
@@ -470,7 +478,7 @@ class _CrossEntropy(torch.autograd.Function):
             # them now raises autograd's "modified by an inplace operation" instead of
             # computing with the gradient's values.
             torch.autograd.graph.increment_version(x)
-        return dx, dtarget, None, None, None, None
+        return dx, dtarget, dweight, None, None, None
 
 
 _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
@@ -508,10 +516,11 @@ def _setup_context(ctx, inputs, output):
 def _backward_of_op(ctx, grad, _stats, _mass):
     x, target, weight, stats, mass = ctx.saved_tensors
     dx = _backward_op(grad, x, target, weight, stats, mass, *ctx.options)
-    dtarget = None
-    if ctx.needs_input_grad[1]:
-        dtarget = _target_grad(grad, x, weight, stats, ctx.options[1], ctx.options[3]).to(target.dtype)
-    return dx, dtarget, None, None, None, None, None, None
+    dtarget = dweight = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        dtarget, dweight = _probability_target_grads(grad, x, target, weight, stats, ctx.options[1], ctx.options[3],
+                                                     *ctx.needs_input_grad[1:3])
+    return dx, dtarget, dweight, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
@@ -649,6 +658,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
     prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if not prob_target and weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("pintail.cross_entropy: not differentiable with respect to weight for class-index "
+                           "targets (as torch's nll_loss); pass a weight that does not require grad")
     softcap = 0.0 if softcap is None else softcap  # 0: none, for the kernels
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
     batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())

@@ -125,6 +125,27 @@ def test_probability_targets_gradient_to_targets(device):
     assert_matches(dt, dt_truth, dt_truth.float())
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradient_to_class_weights(reduction, device):
+    """As torch: probability targets give the class weights a gradient; class-index targets
+    refuse a weight that requires one (torch's nll_loss is not differentiable in it)."""
+    x = torch.randn(4, 30, device=device, requires_grad=True)
+    target = torch.softmax(torch.randn(4, 30, device=device), 1).requires_grad_()
+    w = (torch.rand(30, device=device) + 0.1).requires_grad_()
+    loss = pintail.cross_entropy(x, target, weight=w, reduction=reduction, label_smoothing=0.2, z_loss=1e-3)
+    x64, t64, w64 = (v.detach().double().requires_grad_() for v in (x, target, w))
+    truth, _, _ = torch_cross_entropy(x64, t64, weight=w64, reduction=reduction, label_smoothing=0.2, z_loss=1e-3)
+    upstream = torch.randn(loss.shape, device=device)
+    got = torch.autograd.grad(loss, (x, target, w), upstream)
+    want = torch.autograd.grad(truth, (x64, t64, w64), upstream.double())
+    for g, t in zip(got, want):
+        assert_matches(g, t, t.float())
+    with pytest.raises(RuntimeError, match="not differentiable with respect to weight for class-index targets"):
+        pintail.cross_entropy(x, class_targets(4, 30, device), weight=w)
+    with torch.no_grad():
+        pintail.cross_entropy(x, class_targets(4, 30, device), weight=w)  # no gradient asked: fine
+
+
 @pytest.mark.parametrize("shape, dim_of_target", [((11,), ()), ((3, 9, 4, 2), (3, 4, 2)), ((2, 5, 7), (2, 7))])
 @pytest.mark.parametrize("prob", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
