@@ -125,3 +125,30 @@ def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tens
         return torch.empty(t.shape, dtype=dtype, device=t.device)
     moved_shape = t.movedim(dim, -1).shape
     return torch.empty(moved_shape, dtype=dtype, device=t.device).movedim(-1, dim)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """A gradient made by a kernel, tied to what it was computed from: differentiating it
+    again raises (the backward kernels are not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, grad, *sources):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("pintail: a second derivative through a pintail op is not supported (its backward "
+                           "runs a kernel); use torch's op where create_graph=True must reach through it")
+
+
+def no_second_derivative(grads: tuple, *sources) -> tuple:
+    """The gradients an autograd.Function's backward returns. When autograd is recording the
+    backward itself (create_graph=True) and a source (a saved tensor or an incoming
+    gradient) requires grad, each gradient is routed through a node that raises if
+    differentiated, instead of silently counting as a constant."""
+    if not torch.is_grad_enabled():
+        return grads
+    sources = [s for s in sources if isinstance(s, torch.Tensor) and s.requires_grad]
+    if not sources:
+        return grads
+    return tuple(_NoSecondDerivative.apply(g, *sources) if isinstance(g, torch.Tensor) else g for g in grads)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels, unit_stride
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -478,7 +478,7 @@ class _CrossEntropy(torch.autograd.Function):
             # them now raises autograd's "modified by an inplace operation" instead of
             # computing with the gradient's values.
             torch.autograd.graph.increment_version(x)
-        return dx, dtarget, dweight, None, None, None
+        return no_second_derivative((dx, dtarget, dweight, None, None, None), x, target, weight, grad)
 
 
 _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, program_slots, runs_kernels, unit_stride
+from ._launch import (KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, program_slots,
+                      runs_kernels, unit_stride)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -506,9 +507,10 @@ class _Norm(torch.autograd.Function):
         dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
         dx, dw, db = _backward(dy, dh, normalised, weight, bias_dtype is not None, mean, rstd, *ctx.meta[1:],
                                normalised.dtype)
-        return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
-                dw.to(weight.dtype) if dw is not None else None, db.to(bias_dtype) if db is not None else None,
-                None, None, None, None)
+        grads = (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
+                 dw.to(weight.dtype) if dw is not None else None, db.to(bias_dtype) if db is not None else None,
+                 None, None, None, None)
+        return no_second_derivative(grads, normalised, weight, dy, dh)
 
 
 def _forward_for_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,

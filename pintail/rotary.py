@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels, unit_stride
 
 
 @triton.jit
@@ -204,7 +204,7 @@ class _Rotary(torch.autograd.Function):
         first, second = (dx, dy) if dx is not None else (dy, None)
         out_first, out_second = _rotate(first, second, cos, sin, positions, *ctx.geometry, backward=True)
         grads = (out_first, out_second if second is not None else None) if dx is not None else (None, out_first)
-        return (*grads, None, None, None, None, None, None, None)
+        return no_second_derivative((*grads, None, None, None, None, None, None, None), dx, dy)
 
 
 class _RotaryInPlace(torch.autograd.Function):
@@ -225,7 +225,7 @@ class _RotaryInPlace(torch.autograd.Function):
     def backward(ctx, dx):
         cos, sin, positions = ctx.saved_tensors
         dx_in, _ = _rotate(dx, None, cos, sin, positions, *ctx.geometry, backward=True)
-        return dx_in, None, None, None, None, None, None, None
+        return no_second_derivative((dx_in, None, None, None, None, None, None, None), dx)
 
 
 _rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=())

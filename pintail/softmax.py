@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
-                      runs_kernels)
+                      no_second_derivative, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -311,7 +311,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return _backward(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None
+        return no_second_derivative((_backward(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None), y, dy)
 
 
 _forward_op = torch.library.custom_op("pintail::softmax_forward", _forward, mutates_args=())

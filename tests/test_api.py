@@ -183,3 +183,26 @@ def test_expanded_gradients(device):
         if theirs is not None:
             (grad_torch,) = torch.autograd.grad(theirs(leaf).sum(), leaf)
             assert torch.allclose(grad, grad_torch, rtol=1e-4, atol=1e-5)
+
+
+def test_double_backward_raises(device):
+    """The backward kernels are not differentiable: differentiating a gradient that went
+    through one raises instead of silently treating pintail's part as a constant."""
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    cos, sin = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    ops = [lambda: pintail.softmax(x, -1), lambda: pintail.rms_norm(x, (16,), w),
+           lambda: pintail.layer_norm(x, (16,), w),
+           lambda: pintail.cross_entropy(x, torch.randint(0, 16, (4,), device=device)),
+           lambda: pintail.rotary(x.view(1, 4, 1, 16), cos, sin)]
+    for op in ops:
+        (grad,) = torch.autograd.grad((op() ** 2).sum(), x, create_graph=True)  # its upstream depends on x
+        with pytest.raises(RuntimeError, match="a second derivative through a pintail op is not supported"):
+            grad.sum().backward()
+    # Where nothing pintail computed is differentiated again, create_graph=True works: the
+    # rotation is linear in x, so with a constant upstream its gradient does not depend on x.
+    upstream = torch.randn(1, 4, 1, 16, device=device)
+    rotated = pintail.rotary(x.view(1, 4, 1, 16), cos, sin)
+    (grad,) = torch.autograd.grad((rotated * upstream).sum() + (x ** 3).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    assert torch.allclose(second, 6 * x.detach(), atol=1e-5)
