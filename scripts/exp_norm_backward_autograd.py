@@ -3,8 +3,9 @@ alone but 0.35-0.39 through autograd at N = 32768 (bench runs 9 and 10). For RMS
 N = 32768 (M = 4096, bf16), each backward plan (the library's long plan, groups, blocks)
 timed four ways: the plan's function called directly (do_bench), the bench's step through
 autograd (do_bench), the step's host time (a loop of calls, one synchronisation) and the
-step's kernels (torch.profiler). The experimental plans are swapped in for the library's
-by patching pintail.norm._backward, which the autograd node calls.
+step's kernels (torch.profiler), and a chrome trace of a few steps per plan (into $OUT).
+The experimental plans are swapped in for the library's by patching pintail.norm._backward,
+which the autograd node calls.
 
 Session 5 (H200, copy 4.25 TB/s), two runs of the long plan then one of each:
 
@@ -23,6 +24,7 @@ early and overlaps the rest; the single-kernel plans lose their kernel's gain an
 """
 
 import importlib
+import os
 
 import torch
 from exp_host_gaps import kernels_of
@@ -44,6 +46,20 @@ def plans(cfg_groups, cfg_blocks):
     def blocks(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, config=None):
         return blocks_backward(dy, x, weight, has_bias, mean, rstd, rms, cfg_blocks)
     return {"long (library)": library_backward, "groups": groups, "blocks": blocks}
+
+
+def write_trace(name, step, steps=5):
+    """A chrome trace (host and GPU timelines) of a few steps into $OUT (the device tool
+    brings it back): where the host waits, and when each kernel starts after its launch."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    path = os.path.join(os.environ.get("OUT", "."), f"trace-{name.split()[0]}.json")
+    prof.export_chrome_trace(path)
+    print(f"    trace: {path}", flush=True)
 
 
 def main():
@@ -70,6 +86,7 @@ def main():
                   f"host {host_us(step, calls=100):.0f} us per step", flush=True)
             for kernel, (count, gpu_us) in sorted(kernels_of(step).items(), key=lambda kv: -kv[1][1]):
                 print(f"    {count:.0f}x {gpu_us:8.1f} us  {kernel}", flush=True)
+            write_trace(name, step)
         finally:
             norm._backward = library_backward
 

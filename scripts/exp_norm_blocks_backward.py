@@ -46,6 +46,7 @@ from exp_norm_groups_backward import _publish_row_sums, _write_row_dx, check_aga
 
 norm = importlib.import_module("pintail.norm")
 INTERPRET = importlib.import_module("pintail._launch").INTERPRET
+launch = importlib.import_module("pintail._launch").launch
 
 
 @triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 fails Triton 3.6's compile
@@ -98,10 +99,10 @@ def backward(dy, x, w, has_bias, mean, rstd, rms, cfg):
     slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per (row, slice)
     programs = cfg["PROGRAMS_PER_SM"] * (torch.cuda.get_device_properties(x.device).multi_processor_count
                                          if x.is_cuda else 1)
-    backward_kernel[(min(programs, blocks * slices),)](
-        x, w, dy, mean, rstd, slots, dx, dw, db if has_bias else dw, M, N, 1.0 / N, slices, x.stride(0), dy.stride(0),
-        dx.stride(0), RMS=rms, HAS_BIAS=has_bias, ROWS=cfg["ROWS"], BLOCK=block,
-        SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
+    launch(backward_kernel, (min(programs, blocks * slices),),  # the library's launch path, as a plan in it would
+           x, w, dy, mean, rstd, slots, dx, dw, db if has_bias else dw, M, N, 1.0 / N, slices, x.stride(0),
+           dy.stride(0), dx.stride(0), RMS=rms, HAS_BIAS=has_bias, ROWS=cfg["ROWS"], BLOCK=block,
+           SLICES_POW2=triton.next_power_of_2(slices), num_warps=cfg["num_warps"])
     return dx, dw.sum(0), (db.sum(0) if has_bias else None)
 
 
