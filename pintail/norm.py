@@ -9,18 +9,22 @@ Backward, with g = dy * w_eff:
 A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
 gradient reaching h from downstream adds to dx (and is also the residual's gradient).
 
-Kernels, three plans by row length N (tables at the end of the kernels):
+Kernels, four plans by row length N (tables at the end of the kernels):
 - rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
-  and keeping dweight / dbias of its rows in registers, written once as a partial row and
-  summed by torch (deterministic: no atomics, a fixed order).
+  and keeping dweight / dbias of its rows in registers, written once as a partial row.
 - long: a program per row in two passes (statistics, then the output), the second pass
-  re-reading the row; the backward on a grid of (row blocks x column chunks), each program
-  keeping its chunk's dweight / dbias in registers, after a first small kernel has computed
-  each row's sums mean(g x^), mean(g) (x and dy are read twice).
+  re-reading the row; the backward (LayerNorm) on a grid of (row blocks x column chunks),
+  each program keeping its chunk's dweight / dbias in registers, after a first small kernel
+  has computed each row's sums mean(g x^), mean(g) (x and dy are read twice).
 - split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
   publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
   x read from HBM once, y written once.
+- blocks (RMSNorm backward, rows past the rows plan): ticket-ordered (block of rows, slice)
+  pairs; a block's slices exchange each row's sum of g x^ and write dx from registers: x
+  and dy read once, dx written once.
+The backward's partial rows of dweight / dbias are summed in a fixed order by one more
+kernel (deterministic: no atomics), which writes them in the parameters' dtypes.
 Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
 and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
 """
@@ -30,8 +34,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, program_slots,
-                      runs_kernels, unit_stride)
+from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative,
+                      program_slots, runs_kernels, unit_stride)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -346,6 +350,99 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
         tl.store(db_ptr + block.to(tl.int64) * N + cols, db, mask=mask)
 
 
+@triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 (the interpreter's) fails to compile
+def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                            SLICES, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
+                            HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # RMSNorm, rows too long for one program: x and dy read from HBM once (the long plan
+    # reads them twice). Ticket t (an atomic counter, as in pintail/_split.py) is slice
+    # t % SLICES of the block of ROWS rows t // SLICES. The SLICES programs holding a block
+    # meet at each of its rows: each publishes its slice's sum of g x^ (the next row's before
+    # it waits for this one's), waits for the other slices' and writes its slice of dx from
+    # registers. dweight / dbias of the slice add up over the block's rows in registers: one
+    # float32 partial row per block (4 / ROWS bytes per element written and read again).
+    # A program takes a new ticket only when its block is done, so a wait can stall only on
+    # the newest block, whose missing tickets go to the next programs to finish: no deadlock
+    # while SLICES programs can run at once (the host checks SLICES <= the grid).
+    end = tl.cdiv(M, ROWS) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        block = ticket // SLICES
+        slice_index = ticket % SLICES
+        cols = slice_index * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_WEIGHT:
+            w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        else:
+            w_eff = tl.full([BLOCK], 1.0, tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        row = block * ROWS
+        last = tl.minimum(row + ROWS, M)
+        x_raw = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+        _publish_sum_gx(slots_ptr, x_raw, dy_raw, w_eff, rstd_ptr, row, SLICES, slice_index)
+        while row < last:
+            next_row = row + 1
+            more = next_row < last
+            x_next = tl.load(x_ptr + next_row * x_row_stride + cols, mask=mask & more, other=0.0)
+            dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask & more, other=0.0)
+            if more:
+                _publish_sum_gx(slots_ptr, x_next, dy_next, w_eff, rstd_ptr, next_row, SLICES, slice_index)
+            if HAS_DH:  # issued before the wait, which hides its latency
+                dh = tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            _, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x_raw.to(tl.float32) * rstd
+            dy = dy_raw.to(tl.float32)
+            dx = rstd * (dy * w_eff - x_hat * (tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n))
+            if HAS_DH:
+                dx += dh
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            db += dy
+            row, x_raw, dy_raw = next_row, x_next, dy_next
+        if HAS_WEIGHT:
+            tl.store(dw_ptr + block * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_ptr + block * N + cols, db, mask=mask)
+        ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _publish_sum_gx(slots_ptr, x_raw, dy_raw, w_eff, rstd_ptr, row, SLICES, slice_index):
+    """(1.0, sum of g x^ over the slice) for the slice's word of `row` (1.0: never 0)."""
+    g = dy_raw.to(tl.float32) * w_eff
+    sum_gx = tl.sum(g * x_raw.to(tl.float32), axis=0) * tl.load(rstd_ptr + row)
+    split.publish(slots_ptr, row * SLICES + slice_index, tl.full((), 1.0, tl.float32), sum_gx)
+
+
+@triton.jit
+def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, HAS_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dweight / dbias: the backward's float32 partial rows summed in a fixed order (the same
+    # result on every run) and written in the parameters' dtypes. One launch instead of a
+    # sum and a cast per gradient, which cost ~25 us of host time each on the autograd
+    # engine's thread (scripts/exp_norm_partials.py).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, parts, PARTS_BLOCK):
+        rows = start + tl.arange(0, PARTS_BLOCK)
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        mask = (rows < parts)[:, None] & in_cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.sum(tl.load(dw_parts_ptr + offsets, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(tl.load(db_parts_ptr + offsets, mask=mask, other=0.0), axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=in_cols)
+    if HAS_BIAS:
+        tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=in_cols)
+
+
 # ------------------------------------------------------------------ launch heuristics
 # Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
@@ -367,6 +464,13 @@ FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRA
                                   "LAG_ROUNDS": 1},
                  "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
+# RMSNorm past its rows plan: x and dy read once (0.60-0.64 of copy against the long plan's
+# 0.56 at N = 32768-262144, scripts/exp_norm_blocks_backward.py). LayerNorm keeps the long
+# plan: its blocks kernel (two sums a row, the mean) measured 0.42-0.49 at 168-176 registers.
+BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 4}}
+# dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
+# programs of BLOCK_N columns, about 128 of them or more.
+SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
 
 
 def _kind(rms):
@@ -389,7 +493,7 @@ def backward_config(N, rms):
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
-    return BACKWARD_LONG
+    return BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -432,47 +536,86 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 
 def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
               has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float, rms: bool,
-              x_dtype: torch.dtype, config: dict | None = None
+              x_dtype: torch.dtype, config: dict | None = None, *, dweight_dtype: torch.dtype | None = None,
+              dbias_dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight, dbias) for rows: x[M, N] is the normalised input (h with a residual)."""
+    """(dx, dweight, dbias) for rows: x[M, N] is the normalised input (h with a residual).
+    dweight / dbias come in the dtypes asked for (default: float32, the sums' own)."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and dy.dtype in KERNEL_DTYPES):
-        return reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
+        dx, dw, db = reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
+        return dx, _cast(dw, dweight_dtype), _cast(db, dbias_dtype)
     M, N = x.shape
+    dweight_dtype, dbias_dtype = dweight_dtype or torch.float32, dbias_dtype or torch.float32
     dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
-    cfg = config or backward_config(N, rms)
-    if cfg["plan"] == "rows":
-        block = cfg["BLOCK_N"]
-        parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
-    else:
-        block = min(cfg["BLOCK"], next_power_of_2(max(N, 1)))
-        chunks = cdiv(N, block)
-        parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
-    dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
-    db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
     if not (M and N):
-        return dx, (dw.zero_().sum(0) if dw is not None else None), (db.zero_().sum(0) if db is not None else None)
+        return (dx, torch.zeros(N, dtype=dweight_dtype, device=x.device) if weight is not None else None,
+                torch.zeros(N, dtype=dbias_dtype, device=x.device) if has_bias else None)
     for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
         if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
             raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
                              f"expected ({M}, {N}) rows with unit feature stride")
-    pointers = (x, weight if weight is not None else x, dy, dh if dh is not None else dy, mean, rstd)
-    outputs = (dx, dw if dw is not None else mean, db if db is not None else mean)
-    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
-    flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None,
-                 num_warps=cfg["num_warps"])
+    cfg = config or backward_config(N, rms)
+    if cfg["plan"] == "blocks":
+        # The interpreter runs one program at a time, which cannot meet another: a slice per row.
+        block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)
+        slices = cdiv(N, block)
+        programs = program_slots(x.device, cfg["PROGRAMS_PER_SM"])
+        if slices > programs:  # a row's slices must all run at once
+            cfg = BACKWARD_LONG
     if cfg["plan"] == "rows":
-        launch(_backward_rows_kernel, (parts,), *pointers, *outputs, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+        block = cfg["BLOCK_N"]
+        parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
+    elif cfg["plan"] == "blocks":
+        parts = cdiv(M, cfg["ROWS"])
+    else:
+        block = min(cfg["BLOCK"], next_power_of_2(N))
+        chunks = cdiv(N, block)
+        parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
+    dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
+    outputs = (dx, dw if dw is not None else rstd, db if db is not None else rstd)
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, num_warps=cfg["num_warps"])
+    w = weight if weight is not None else x
+    dh_or_dy = dh if dh is not None else dy
+    if cfg["plan"] == "rows":
+        launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
+               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+    elif cfg["plan"] == "blocks":
+        slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
+        launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,
+               M, N, 1.0 / N, slices, *strides, **flags, ROWS=cfg["ROWS"], BLOCK=block,
+               SLICES_POW2=next_power_of_2(slices))
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:
             sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
-            launch(_row_sums_kernel, (M,), x, weight if weight is not None else x, dy, mean, rstd, sums, N, 1.0 / N,
-                   x.stride(0), dy.stride(0), weight_offset, RMS=rms, HAS_WEIGHT=weight is not None,
-                   BLOCK=block, num_warps=cfg["num_warps"])
-        launch(_backward_chunks_kernel, (parts, chunks), *pointers, sums, *outputs, M, N, 1.0 / N, cdiv(M, parts),
-               *strides, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
-    return dx, (dw.sum(0) if dw is not None else None), (db.sum(0) if db is not None else None)
+            launch(_row_sums_kernel, (M,), x, w, dy, mean, rstd, sums, N, 1.0 / N, x.stride(0), dy.stride(0),
+                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=cfg["num_warps"])
+        launch(_backward_chunks_kernel, (parts, chunks), x, w, dy, dh_or_dy, mean, rstd, sums, *outputs, M, N,
+               1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
+    return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
+
+
+def _sum_partials(dw_parts, db_parts, dweight_dtype, dbias_dtype):
+    """dweight and dbias (or None) from their float32 partial rows, in one launch."""
+    parts = dw_parts if dw_parts is not None else db_parts
+    if parts is None:
+        return None, None
+    N = parts.shape[1]
+    dw = torch.empty(N, dtype=dweight_dtype, device=parts.device) if dw_parts is not None else None
+    db = torch.empty(N, dtype=dbias_dtype, device=parts.device) if db_parts is not None else None
+    block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
+                  max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
+    launch(_sum_partials_kernel, (cdiv(N, block_n),), parts, db_parts if db_parts is not None else parts,
+           dw if dw is not None else db, db if db is not None else dw, parts.shape[0], N,
+           HAS_WEIGHT=dw_parts is not None, HAS_BIAS=db_parts is not None, PARTS_BLOCK=SUM_PARTIALS["PARTS_BLOCK"],
+           BLOCK_N=block_n, num_warps=4)
+    return dw, db
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if t is not None and dtype is not None else t
 
 
 # ------------------------------------------------------------- autograd and torch.library
@@ -506,9 +649,9 @@ class _Norm(torch.autograd.Function):
         x_dtype, residual_dtype, bias_dtype = ctx.dtypes
         dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
         dx, dw, db = _backward(dy, dh, normalised, weight, bias_dtype is not None, mean, rstd, *ctx.meta[1:],
-                               normalised.dtype)
-        grads = (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
-                 dw.to(weight.dtype) if dw is not None else None, db.to(bias_dtype) if db is not None else None,
+                               normalised.dtype, dweight_dtype=weight.dtype if weight is not None else None,
+                               dbias_dtype=bias_dtype)
+        grads = (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None, dw, db,
                  None, None, None, None)
         return no_second_derivative(grads, normalised, weight, dy, dh)
 

@@ -16,7 +16,7 @@ from measure import copy_bandwidth, print_best, record
 norm = importlib.import_module("pintail.norm")
 
 
-def configs(direction, N):
+def configs(direction, N, rms):
     out = []
     block_n = 1 << (N - 1).bit_length()
     rows_limit = 32768 if direction == "fwd" else 16384
@@ -41,6 +41,9 @@ def configs(direction, N):
                 elif block <= 8192:
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                             for per_sm in (2, 4)]
+    if direction == "bwd" and rms and N >= 16384:
+        out += [{"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+                for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)) for rows in (16, 32)]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
@@ -71,7 +74,7 @@ def main():
             default = norm.forward_config(N, rms, args.residual) if direction == "fwd" else norm.backward_config(N, rms)
             residual = torch.randn_like(x) if args.residual else None
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2 * (2 if args.residual else 1)
-            for cfg in configs(direction, N):
+            for cfg in configs(direction, N, rms):
                 if direction == "fwd":
                     fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:

@@ -13,8 +13,10 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 
 @pytest.fixture(params=["rows", "long", "split"])
 def plan(request, monkeypatch):
-    """Every plan at test sizes: 'long' empties the rows tables and shortens the chunks;
-    'split' does too and sends the forward to the split plan (the backward takes 'long')."""
+    """Every plan at test sizes: 'long' empties the rows tables and shortens the chunks (both
+    norms' backward take the long plan); 'split' does too and sends the forward to the split
+    plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
+    LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
@@ -22,8 +24,12 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
+    if request.param == "long":
+        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {})
     if request.param == "split":
         monkeypatch.setattr(norm_module, "FORWARD_LONG_UP_TO", 0)
+        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {"rms": {**norm_module.BACKWARD_BLOCKS["rms"], "ROWS": 3,
+                                                                     "BLOCK": LONG_BLOCK}})
     return request.param
 
 
@@ -139,6 +145,81 @@ def test_residual_in_float32(device):
     y, h = pintail.rms_norm(x, (64,), residual=residual)
     assert h.dtype == torch.float32 and y.dtype == torch.float32
     check("rms", x, (64,), torch.randn(64, device=device), residual=residual)
+
+
+def blocks_config(rows, block, programs_per_sm=4):
+    return {"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": programs_per_sm}
+
+
+def launched_kernels(monkeypatch):
+    """The names of the kernels norm launches from now on."""
+    names = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        names.append(kernel.fn.__name__)
+        launch(kernel, grid, *args, **kwargs)
+    launch = norm_module.launch
+    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    return names
+
+
+@pytest.mark.parametrize("M, N, rows, block", [(13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 3, 64),
+                                               (2, 1, 4, 64), (40, 200, 32, 64)])
+@pytest.mark.parametrize("extras", ["weight", "none", "bias+offset+dh"])
+def test_rms_backward_blocks_plan(M, N, rows, block, extras, monkeypatch, device):
+    """The blocks plan (RMSNorm past the rows plan) against float64 torch: blocks that end
+    past the last row, rows of several slices on a GPU, with and without the extras."""
+    x = torch.randn(M, N, device=device)
+    w = torch.randn(N, device=device) if extras != "none" else None
+    b = torch.randn(N, device=device) if extras.startswith("bias") else None
+    offset = 1.0 if "offset" in extras else 0.0
+    dy = torch.randn(M, N, device=device)
+    dh = torch.randn(M, N, device=device) if "dh" in extras else None
+    _, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, offset, True, torch.float32)
+    kernels = launched_kernels(monkeypatch)
+    grads = norm_module._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
+                                  blocks_config(rows, block))
+    assert kernels[0] == "_backward_blocks_kernel"
+    leaves = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
+    x64, w64, b64 = leaves[0], (leaves[1] if w is not None else None), (leaves[-1] if b is not None else None)
+    y64, _ = torch_norm("rms", x64, (N,), w64, b64, eps=1e-5, weight_offset=offset)
+    want = torch.autograd.grad(y64, leaves, dy.double())
+    want = (want[0] + (dh.double() if dh is not None else 0), *want[1:])
+    got = [g for g in grads if g is not None]
+    assert len(got) == len(want)
+    for g, g64 in zip(got, want):
+        assert_matches(g, g64, g64.float(), unit=1.0)
+    again = norm_module._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
+                                  blocks_config(rows, block))
+    for g, g2 in zip(grads, again):  # dweight / dbias: the same bits whichever program takes which block
+        assert g is None or torch.equal(g, g2)
+
+
+def test_rms_backward_blocks_plan_falls_back_when_slices_cannot_all_run(monkeypatch, device):
+    """A row's slices wait for each other: with fewer program slots than slices the blocks
+    plan would hang, so the long plan runs."""
+    x, w, dy = (torch.randn(6, 300, device=device), torch.randn(300, device=device),
+                torch.randn(6, 300, device=device))
+    _, _, mean, rstd = norm_module._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
+    kernels = launched_kernels(monkeypatch)
+    dx, dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
+                                      blocks_config(4, 64, programs_per_sm=0))
+    assert "_backward_blocks_kernel" not in kernels and "_backward_chunks_kernel" in kernels
+    want_dx, want_dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
+                                                norm_module.BACKWARD_LONG)
+    torch.testing.assert_close(dx, want_dx)
+    torch.testing.assert_close(dw, want_dw)
+
+
+def test_parameter_gradients_in_their_dtypes(device):
+    """dweight / dbias are summed in float32 and rounded once, to the parameters' dtypes."""
+    x = torch.randn(70, 48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(48, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(70, 48, device=device, dtype=torch.bfloat16)
+    dw, db = torch.autograd.grad(pintail.layer_norm(x, (48,), w, b), (w, b), dy)
+    assert dw.dtype == torch.float16 and db.dtype == torch.bfloat16
+    torch.testing.assert_close(db.float(), dy.double().sum(0).float(), rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
