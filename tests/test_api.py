@@ -79,40 +79,49 @@ def test_cuda_graph_capture(device):
         with torch.cuda.graph(graph):
             y = pintail.softmax(x, -1)
             (dx,) = torch.autograd.grad(y, x, dy)
+        for _ in range(2):  # twice: the slots the split plans capture must be clean again
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            x_ref = x.detach().double().requires_grad_()
+            y_ref = torch.softmax(x_ref, -1)
+            (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy.double())
+            assert_matches(y, y_ref, torch.softmax(x.detach(), -1))
+            assert_matches(dx, dx_ref, dx_ref.float())
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_cuda_graph_capture_of_norm_backward(kind, device):
+    """The norm backward past the rows plan in a CUDA graph (RMSNorm: the blocks plan and its
+    slots; LayerNorm: the long plan's two kernels), replayed twice on new inputs."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    N = 20000
+    x = torch.randn(16, N, device=device, requires_grad=True)
+    w = torch.randn(N, device=device, requires_grad=True)
+    dy = torch.randn(16, N, device=device)
+    ours = (lambda x, w: pintail.rms_norm(x, (N,), w)) if kind == "rms" else \
+        (lambda x, w: pintail.layer_norm(x, (N,), w))
+    theirs = (lambda x, w: torch.nn.functional.rms_norm(x, (N,), w)) if kind == "rms" else \
+        (lambda x, w: torch.nn.functional.layer_norm(x, (N,), w))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
+        torch.autograd.grad(ours(x, w), (x, w), dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dx, dw = torch.autograd.grad(ours(x, w), (x, w), dy)
+    for _ in range(2):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        x_ref = x.detach().double().requires_grad_()
-        y_ref = torch.softmax(x_ref, -1)
-        (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy.double())
-        assert_matches(y, y_ref, torch.softmax(x.detach(), -1))
-        assert_matches(dx, dx_ref, dx_ref.float())
-
-
-def test_cuda_graph_capture_of_norm_backward(device):
-    """The RMSNorm backward past the rows plan (two kernels: row sums, then chunks) in a CUDA graph."""
-    if device.type != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-    x = torch.randn(16, 20000, device=device, requires_grad=True)
-    w = torch.randn(20000, device=device, requires_grad=True)
-    dy = torch.randn(16, 20000, device=device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up compiles the kernels outside the capture
-        torch.autograd.grad(pintail.rms_norm(x, (20000,), w), (x, w), dy)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dx, dw = torch.autograd.grad(pintail.rms_norm(x, (20000,), w), (x, w), dy)
-    with torch.no_grad():
-        x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    leaves = (x.detach().double().requires_grad_(), w.detach().double().requires_grad_())
-    truth = torch.autograd.grad(torch.nn.functional.rms_norm(leaves[0], (20000,), leaves[1]), leaves, dy.double())
-    assert_matches(dx, truth[0], truth[0].float())
-    assert_matches(dw, truth[1], truth[1].float())
+        leaves = (x.detach().double().requires_grad_(), w.detach().double().requires_grad_())
+        truth = torch.autograd.grad(theirs(*leaves), leaves, dy.double())
+        assert_matches(dx, truth[0], truth[0].float())
+        assert_matches(dw, truth[1], truth[1].float())
 
 
 def test_tensors_on_another_gpu_than_the_current_one(device):
