@@ -16,7 +16,7 @@ order, so every wait is over before it starts. HBM traffic: the input read once,
 output written once; the lag keeps waits rare (more tickets than programs in flight) while
 the lagged rows still fit in L2.
 
-slots: [next ticket, one word per (row, slice)], zeroed before the launch (zeroed_slots).
+slots: [next ticket, one word per (row, slice)], zeroed before the launch.
 
 The own-row variant (softmax backward) has no lag: a program keeps its ticket's slice in
 registers, waits for the other slices of that same row, and writes the slice's output
@@ -32,17 +32,11 @@ at most two slices.
 slots: [next ticket, one word per (row, slice), a spare word for tickets past the end].
 """
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
 
 from ._launch import INTERPRET, cdiv, next_power_of_2, program_slots
-
-# Slot buffers kept zeroed between launches, by (device, stream) in each thread: see zeroed_slots.
-_KEPT = threading.local()
-KEPT_WORDS_AT_MOST = 1 << 20  # 8 MiB a buffer; a larger one's fill is small beside its launch's work
 
 
 @triton.jit
@@ -82,32 +76,6 @@ def ticket_work(ticket, SLICES, LAG, BLOCK: tl.constexpr):
     return row, row - LAG, (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
 
 
-def zeroed_slots(words, device):
-    """`words` int64 slots, all 0, for one launch; hand them to `rezero` right after it.
-
-    A fresh torch.zeros puts an allocation and a fill before the launch: 20-50 us of host
-    time on the autograd engine's thread, where a backward starts (scripts/exp_backward_timeline.py),
-    and the GPU waits for it. Instead a buffer is kept per thread, device and stream, and
-    zeroed again after each launch, on the stream, behind the kernel: the next launch finds
-    it clean, and the fill's host time comes after the kernel has been queued. Kept per
-    thread and stream, a buffer is used by one launch at a time. While a CUDA graph is
-    captured, and for a GPU other than the current one, the slots are fresh."""
-    if device.type != "cuda" or words > KEPT_WORDS_AT_MOST or device.index != torch.cuda.current_device() \
-            or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(words, dtype=torch.int64, device=device)
-    kept = _KEPT.__dict__.setdefault("buffers", {})
-    key = (device.index, torch.cuda.current_stream(device).stream_id)
-    buffer = kept.get(key)
-    if buffer is None or buffer.numel() < words:
-        buffer = kept[key] = torch.zeros(next_power_of_2(words), dtype=torch.int64, device=device)
-    return buffer[:words]
-
-
-def rezero(slots):
-    """After the launch that used `slots`: zero them for the next one (see zeroed_slots)."""
-    slots.zero_()
-
-
 def split_plan(M, N, cfg, device):
     """Slices per row, the lag in rows (at least one: a row is never written by its own
     readers), the persistent grid, and the zeroed slots: [next ticket, a word per slice]."""
@@ -115,7 +83,7 @@ def split_plan(M, N, cfg, device):
     programs = program_slots(device, cfg["PROGRAMS_PER_SM"])
     lag = max(1, min(M, int(cfg["LAG_ROUNDS"] * programs) // slices))
     grid = min((M + lag) * slices, programs)
-    return slices, lag, (grid,), zeroed_slots(1 + M * slices, device)
+    return slices, lag, (grid,), torch.zeros(1 + M * slices, dtype=torch.int64, device=device)
 
 
 def own_row_plan(M, N, cfg, device):
@@ -124,4 +92,4 @@ def own_row_plan(M, N, cfg, device):
     block = cfg["BLOCK"] if not INTERPRET else max(cfg["BLOCK"], next_power_of_2(cdiv(N, 2)))
     slices = cdiv(N, block)
     grid = min(M * slices, program_slots(device, cfg["PROGRAMS_PER_SM"]))
-    return block, slices, (grid,), zeroed_slots(2 + M * slices, device)
+    return block, slices, (grid,), torch.zeros(2 + M * slices, dtype=torch.int64, device=device)

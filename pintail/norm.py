@@ -531,7 +531,6 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
                BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
-        split.rezero(slots)
     return y, h, mean, rstd
 
 
@@ -583,11 +582,10 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
                RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
     elif cfg["plan"] == "blocks":
-        slots = split.zeroed_slots(1 + M * slices, x.device)  # the next ticket, a word per (row, slice)
+        slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
         launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,
                M, N, 1.0 / N, slices, *strides, **flags, ROWS=cfg["ROWS"], BLOCK=block,
                SLICES_POW2=next_power_of_2(slices))
-        split.rezero(slots)
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:

@@ -244,7 +244,6 @@ def launch_forward(x, y, log, config=None):
             _forward_split_kernel, grid,
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
-        split.rezero(slots)
 
 
 def launch_backward(y, dy, dx, log, config=None):
@@ -261,14 +260,12 @@ def launch_backward(y, dy, dx, log, config=None):
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),
                slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices),
                num_warps=cfg["num_warps"])
-        split.rezero(slots)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)
         launch(
             _backward_split_kernel, grid,
             y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
-        split.rezero(slots)
 
 
 # --------------------------------------------------------------- tensor-level functions

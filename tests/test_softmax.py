@@ -94,34 +94,6 @@ def test_own_row_backward_with_small_slices(M, N, device):
         assert_matches(dx, dx_truth, dx_truth.float())
 
 
-def test_kept_slots_are_zero_again_after_each_launch(device):
-    """On a GPU the split plans' slots are kept between launches and zeroed behind each one
-    (pintail/_split.py): across plans and growing and shrinking sizes the results stay
-    right, the kept buffer is reused and is all zero once the stream is done."""
-    if device.type != "cuda":
-        pytest.skip("slots are kept only on a GPU")
-    split_module = importlib.import_module("pintail._split")
-    configs = [{"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_ROUNDS": 1, "PROGRAMS_PER_SM": 3},
-               {"plan": "own_row", "BLOCK": 64, "num_warps": 4, "PROGRAMS_PER_SM": 3}]
-    kept = []
-    for M, N in [(3, 1000), (9, 130), (20, 4097), (3, 1000), (9, 130)]:
-        x = torch.randn(M, N, device=device)
-        y = torch.empty_like(x)
-        softmax_module.launch_forward(x, y, False, configs[0])
-        assert_matches(y, torch.softmax(x.double(), -1), torch.softmax(x, -1))
-        for config in configs:
-            dy = torch.randn_like(x)
-            dx = torch.empty_like(x)
-            softmax_module.launch_backward(y, dy, dx, False, config)
-            truth = torch.ops.aten._softmax_backward_data(dy.double(), y.double(), 1, torch.float64)
-            assert_matches(dx, truth, truth.float())
-        torch.cuda.synchronize()
-        buffers = list(split_module._KEPT.buffers.values())
-        assert buffers and not any(b.any() for b in buffers)
-        kept.append(buffers[0].data_ptr())
-    assert kept[-1] == kept[-2] == kept[-3]  # the largest size's buffer serves the smaller ones
-
-
 def test_long_rows_backward_plans():
     """Past the on-chip limit softmax's backward takes the own-row plan, and past 64 slices
     of its largest slice the lagged split plan; log_softmax's takes the lagged plan."""
