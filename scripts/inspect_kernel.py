@@ -24,7 +24,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
-                    "denom_ptr", "weight_total_ptr", "grad_ptr"}
+                    "denom_ptr", "weight_total_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr"}
 EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
@@ -109,6 +109,13 @@ def main():
             inspect(norm._backward_chunks_kernel, signature(norm._backward_chunks_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "ONE_CHUNK": one_chunk,
                      "BLOCK": norm.BACKWARD_LONG["BLOCK"]}, norm.BACKWARD_LONG["num_warps"])
+    blocks = norm.BACKWARD_BLOCKS["rms"]
+    for dh in (False, True):
+        inspect(norm._backward_blocks_kernel, signature(norm._backward_blocks_kernel),
+                {"HAS_WEIGHT": True, "HAS_BIAS": dh, "HAS_DH": dh, "ROWS": blocks["ROWS"], "BLOCK": blocks["BLOCK"],
+                 "SLICES_POW2": 16}, blocks["num_warps"])
+    inspect(norm._sum_partials_kernel, signature(norm._sum_partials_kernel),
+            {"HAS_WEIGHT": True, "HAS_BIAS": True, "PARTS_BLOCK": norm.SUM_PARTIALS["PARTS_BLOCK"], "BLOCK_N": 128}, 4)
     for interleaved in (False, True):
         inspect(rot._rotary_kernel, signature(rot._rotary_kernel),
                 {"PAIRS": 64, "INTERLEAVED": interleaved, "TABLE_STEP": 1, "TABLE_SECOND": 64 if not interleaved else 1,
