@@ -364,7 +364,7 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
     # float32 partial row per block (4 / ROWS bytes per element written and read again).
     # A program takes a new ticket only when its block is done, so a wait can stall only on
     # the newest block, whose missing tickets go to the next programs to finish: no deadlock
-    # while SLICES programs can run at once (the host checks SLICES <= the grid).
+    # while SLICES programs can run at once (the host keeps SLICES <= the SMs).
     end = tl.cdiv(M, ROWS) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -560,7 +560,10 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)
         slices = cdiv(N, block)
         programs = program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-        if slices > programs:  # a row's slices must all run at once
+        # A row's slices wait for each other, so they must all run at once. A GPU holds at
+        # least one program per SM whatever the kernel's registers (with a residual's
+        # gradient and a bias it takes 166: 3 per SM, not the 4 the grid counts on).
+        if slices > program_slots(x.device, 1):
             cfg = BACKWARD_LONG
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]

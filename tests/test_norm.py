@@ -196,14 +196,19 @@ def test_rms_backward_blocks_plan(M, N, rows, block, extras, monkeypatch, device
 
 
 def test_rms_backward_blocks_plan_falls_back_when_slices_cannot_all_run(monkeypatch, device):
-    """A row's slices wait for each other: with fewer program slots than slices the blocks
-    plan would hang, so the long plan runs."""
-    x, w, dy = (torch.randn(6, 300, device=device), torch.randn(300, device=device),
-                torch.randn(6, 300, device=device))
+    """A row's slices wait for each other: past one slice per SM they might not all run at
+    once and the blocks plan could hang, so the long plan runs (the interpreter, which cuts
+    no row, is given a GPU of no SM)."""
+    # on a GPU: more slices of 64 than it has SMs
+    N = 64 * (torch.cuda.get_device_properties(device).multi_processor_count + 5) if device.type == "cuda" else 300
+    x, w, dy = (torch.randn(6, N, device=device), torch.randn(N, device=device),
+                torch.randn(6, N, device=device))
     _, _, mean, rstd = norm_module._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
+    if device.type != "cuda":
+        monkeypatch.setattr(norm_module, "program_slots", lambda device, per_sm: 0)
     kernels = launched_kernels(monkeypatch)
     dx, dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
-                                      blocks_config(4, 64, programs_per_sm=0))
+                                      blocks_config(4, 64))
     assert "_backward_blocks_kernel" not in kernels and "_backward_chunks_kernel" in kernels
     want_dx, want_dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
                                                 norm_module.BACKWARD_LONG)
