@@ -12,7 +12,9 @@ in the parameters' dtypes. For the partial shapes of the library's rows plan at 
 - host time inside an autograd backward (the worker thread), median of the calls;
 - their GPU time (torch.profiler): a slower reduction would add to the step's GPU time.
 Predicted: ~25-60 us less host time a step (LayerNorm the most), the same GPU time within
-a few us. If so, move the kernel into pintail/norm.py and run tests-a.
+a few us. Session 6 (H200): LayerNorm 30-39 us less, RMSNorm -9 to +4 us (table in
+docs/perf-notes.md); the kernel moved into pintail/norm.py (with ~128 programs or more
+instead of this experiment's 64 columns a program), which this script now calls.
 
     python scripts/exp_norm_partials.py
 """
@@ -20,50 +22,18 @@ a few us. If so, move the kernel into pintail/norm.py and run tests-a.
 import importlib
 
 import torch
-import triton
-import triton.language as tl
 
 norm = importlib.import_module("pintail.norm")
 launch_module = importlib.import_module("pintail._launch")
 
 
-@triton.jit
-def sum_partials_kernel(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, parts, N, HAS_WEIGHT: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    # A block of columns: the partials summed over tiles of PARTS_BLOCK programs, in order.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols < N
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, parts, PARTS_BLOCK):
-        rows = start + tl.arange(0, PARTS_BLOCK)
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        mask = (rows < parts)[:, None] & in_cols[None, :]
-        if HAS_WEIGHT:
-            dw += tl.sum(tl.load(dw_part_ptr + offsets, mask=mask, other=0.0), axis=0)
-        if HAS_BIAS:
-            db += tl.sum(tl.load(db_part_ptr + offsets, mask=mask, other=0.0), axis=0)
-    if HAS_WEIGHT:
-        tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=in_cols)
-    if HAS_BIAS:
-        tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=in_cols)
-
-
-PARTS_BLOCK, BLOCK_N = 32, 64
-
-
 def finish_by_kernel(dw_parts, db_parts, w_dtype, b_dtype):
-    parts, N = dw_parts.shape
-    dw = torch.empty(N, dtype=w_dtype, device=dw_parts.device)
-    db = torch.empty(N if db_parts is not None else 0, dtype=b_dtype, device=dw_parts.device)
-    launch_module.launch(sum_partials_kernel, (launch_module.cdiv(N, BLOCK_N),), dw_parts,
-                         db_parts if db_parts is not None else dw_parts, dw, db, parts, N, HAS_WEIGHT=True,
-                         HAS_BIAS=db_parts is not None, PARTS_BLOCK=PARTS_BLOCK, BLOCK_N=BLOCK_N, num_warps=4)
-    return dw, (db if db_parts is not None else None)
+    """What the library does since session 6 (pintail/norm.py: _sum_partials)."""
+    return norm._sum_partials(dw_parts, db_parts, w_dtype, b_dtype)
 
 
 def finish_by_torch(dw_parts, db_parts, w_dtype, b_dtype):
-    """What the library does now (pintail/norm.py: _backward, then _Norm.backward)."""
+    """What the library did before session 6 (torch ops after the backward kernel)."""
     return dw_parts.sum(0).to(w_dtype), (db_parts.sum(0).to(b_dtype) if db_parts is not None else None)
 
 
