@@ -109,8 +109,11 @@ def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
     No copy when the layout allows one row stride (e.g. a contiguous tensor, or a slice
     of rows); a copy only when the elements of a row are not adjacent in memory."""
-    if dim == t.dim() - 1 and t.is_contiguous():  # the common case, without the general steps
-        return t.view(-1, t.shape[-1])
+    if dim == t.dim() - 1:  # the common cases, without the general steps (each view costs host time)
+        if t.dim() == 2 and t.stride(1) == 1:
+            return t
+        if t.is_contiguous():
+            return t.view(-1, t.shape[-1])
     moved = t.movedim(dim, -1)
     if moved.dim() == 0:
         moved = moved.reshape(1)

@@ -623,6 +623,13 @@ class _TargetCheck:
             _check_target_values(self.target, self.C, self.ignore_index)
 
 
+def _rows_of_classes(t, M, C):
+    """(C), (N, C) or (N, C, d1, ...) as (M, C) rows; (N, C) as it is (a view costs host time)."""
+    if t.dim() == 2:
+        return t
+    return t.reshape(1, C) if t.dim() == 1 else t.movedim(1, -1).reshape(M, C)
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
                   check_target=True):
@@ -667,11 +674,11 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     M = 1  # rows: every dim but the classes' (explicit, not -1: C may be 0)
     for d in (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ()):
         M *= d
-    x = unit_stride(input.reshape(1, C) if input.dim() == 1 else input.movedim(1, -1).reshape(M, C))
+    x = unit_stride(_rows_of_classes(input, M, C))
     if prob_target:
-        t = unit_stride(target.reshape(1, C) if target.dim() == 1 else target.movedim(1, -1).reshape(M, C))
-    else:
-        t = target.reshape(-1).contiguous()  # the kernels index targets and weights with unit stride
+        t = unit_stride(_rows_of_classes(target, M, C))
+    else:  # the kernels index targets and weights with unit stride
+        t = (target if target.dim() == 1 else target.reshape(-1)).contiguous()
     weight = weight.contiguous() if weight is not None else None
     target_check = None
     if not prob_target:

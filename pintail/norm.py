@@ -747,18 +747,27 @@ def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weigh
     M = 1
     for d in input.shape[:input.dim() - len(shape)]:
         M *= d
-    x = unit_stride(input.reshape(M, N))  # (M, N), not (-1, N): N may be 0
-    r = unit_stride(residual.reshape(M, N)) if residual is not None else None
-    w = weight.reshape(N).contiguous() if weight is not None else None
-    b = bias.reshape(N).contiguous() if bias is not None else None
+    rows = input.dim() == 2 and len(shape) == 1  # already (M, N): no views (each costs host time)
+    x = unit_stride(input if rows else input.reshape(M, N))  # (M, N), not (-1, N): N may be 0
+    r = unit_stride(residual if rows else residual.reshape(M, N)) if residual is not None else None
+    w = _vector(weight, N)
+    b = _vector(bias, N)
     # y in the dtype of what is normalised: x, or x + residual as torch promotes it
     out_dtype = out_dtype or (torch.promote_types(input.dtype, residual.dtype) if residual is not None else input.dtype)
     if torch.compiler.is_compiling():
         y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
     else:
         y, h = _Norm.apply(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
-    y = y.reshape(input.shape)
-    return (y, h.reshape(input.shape)) if residual is not None else y
+    if residual is None:
+        return y if rows else y.reshape(input.shape)
+    return (y, h) if rows else (y.reshape(input.shape), h.reshape(input.shape))
+
+
+def _vector(t, N):
+    """A weight or bias as N contiguous elements (or None)."""
+    if t is None:
+        return None
+    return (t if t.dim() == 1 else t.reshape(N)).contiguous()
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, bias=None, weight_offset=0.0,
