@@ -4,7 +4,9 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~2.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
-#   bash scripts/device_run.sh experiments   # the prepared experiments of docs/perf-notes.md (~6 min)
+#   bash scripts/device_run.sh experiments        # prepared experiments of docs/perf-notes.md: host time,
+#                                                 # two-pass long rows (~4 min)
+#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 OUT=${OUT:-device-out}
@@ -22,10 +24,12 @@ case $mode in
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
-    experiments)
-        for script in exp_kept_slots exp_backward_timeline exp_norm_blocks_deep exp_norm_blocks_backward; do
-            timeout 170 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
-            echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -40
+    experiments | experiments-norm)
+        scripts="exp_kept_slots exp_backward_timeline exp_two_pass_eviction"
+        [ "$mode" = experiments-norm ] && scripts="exp_norm_blocks_deep exp_norm_blocks_backward"
+        for script in $scripts; do
+            timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
+            echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -60
         done ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments"; exit 2 ;;
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments[-norm]"; exit 2 ;;
 esac
