@@ -17,7 +17,10 @@ median, L2 flushed before each call). Predicted: +0.05-0.1 at 32768 with the hin
 RMSNorm's 0.85 -> 0.9+, softmax 0.79-0.82 -> 0.9); at 131072 a row is 256 KB and ~528 rows
 in flight are 135 MB, more than L2: no gain expected there unless fewer programs per SM run.
 If the hints win at 32768, carry them into pintail/norm.py's long forward and give softmax a
-two-pass plan up to where it stops winning (the split plan beyond).
+two-pass plan up to where it stops winning (the split plan beyond). Also timed: the
+library's split forward (softmax) with the new slice read evict_last and the lagged slice,
+re-read from L2, evict_first (predicted: a few hundredths if the lagged re-reads miss L2
+now and then; nothing if they never do).
 
     TRITON_INTERPRET=1 python scripts/exp_two_pass_eviction.py --check   # the interpreter, CPU
     python scripts/exp_two_pass_eviction.py                              # GPU
@@ -32,6 +35,7 @@ import triton.language as tl
 
 norm = importlib.import_module("pintail.norm")
 softmax_module = importlib.import_module("pintail.softmax")
+split = importlib.import_module("pintail._split")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
@@ -78,7 +82,45 @@ def rms_two_pass_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, inv_n, eps, x_row_stri
         tl.store(y_ptr + row * y_row_stride + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
+@triton.jit
+def softmax_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
+                         FIRST: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # The library's split forward (pintail/softmax.py, softmax only) with the hints: the new
+    # slice read with FIRST, the lagged one (re-read from L2) with SECOND.
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M), other=-float("inf"),
+                        eviction_policy=FIRST).to(tl.float32)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0), other=0.0,
+                        eviction_policy=SECOND).to(tl.float32)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        if row < M:
+            slice_max = tl.max(x_new, axis=0)
+            shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+            split.publish(slots_ptr, ticket, slice_max, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
+        if done >= 0:
+            maxes, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
+            log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
+            y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
+
+
 HINTS = {"none": ("", ""), "hints": ("evict_last", "evict_first")}
+
+
+def softmax_split(x, y, hints, cfg=None):
+    """The library's split plan and configuration, the kernel above."""
+    cfg = cfg or softmax_module.forward_config(x.shape[1])
+    M, N = x.shape
+    slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
+    first, second = HINTS[hints]
+    softmax_split_kernel[grid](x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, FIRST=first, SECOND=second,
+                               BLOCK=cfg["BLOCK"], SLICES_POW2=triton.next_power_of_2(slices),
+                               num_warps=cfg["num_warps"])
 
 
 def softmax_two_pass(x, y, block, warps, hints):
@@ -106,6 +148,9 @@ def check(device):
             rms_two_pass(x, w, y, rstd, block, 4, hints)
             want = torch.nn.functional.rms_norm(x.double(), (N,), w.double(), 1e-6).float()
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            split_cfg = {"plan": "split", "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 3, "LAG_ROUNDS": 1}
+            softmax_split(x, y, hints, split_cfg)
+            torch.testing.assert_close(y, torch.softmax(x.double(), -1).float(), rtol=1e-5, atol=1e-6)
     print(f"two-pass kernels match torch ({device})", flush=True)
 
 
@@ -125,7 +170,8 @@ def main():
         rstd = torch.empty(M, device="cuda")
         nbytes = 2 * x.numel() * 2
         runs = {"softmax library": lambda: softmax_module.launch_forward(x, y, False),
-                "rms library": lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)}
+                "rms library": lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype),
+                "softmax split (library config) hints": lambda: softmax_split(x, y, "hints")}
         for block, warps in CONFIGS:
             for hints in HINTS:
                 runs[f"softmax two-pass {block}/{warps} {hints}"] = \
