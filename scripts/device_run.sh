@@ -5,7 +5,7 @@
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~2.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
 #   bash scripts/device_run.sh experiments        # prepared experiments of docs/perf-notes.md: host time,
-#                                                 # two-pass long rows (~4 min)
+#                                                 # two-pass long rows (~5 min)
 #   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
@@ -25,7 +25,7 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments | experiments-norm)
-        scripts="exp_kept_slots exp_backward_timeline exp_two_pass_eviction"
+        scripts="exp_kept_slots exp_ce_check_host exp_backward_timeline exp_two_pass_eviction"
         [ "$mode" = experiments-norm ] && scripts="exp_norm_blocks_deep exp_norm_blocks_backward"
         for script in $scripts; do
             timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
