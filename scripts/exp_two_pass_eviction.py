@@ -1,6 +1,6 @@
 """Experiment for the next GPU session: one program per row, two passes over the row (the
-statistics, then the output), with L2 eviction hints, for softmax and RMSNorm forward at
-N = 32768-131072 (bf16, M*N = 2^27).
+statistics, then the output), with L2 eviction hints, for softmax, RMSNorm and LayerNorm
+forward at N = 32768-131072 (bf16, M*N = 2^27).
 
 Why: at N = 32768 torch.compile reaches 0.94-0.95 of copy on RMSNorm forward (our long
 plan: 0.85; softmax's split plan: 0.79, LayerNorm's rows plan 0.77). Its generated kernel
@@ -83,6 +83,37 @@ def rms_two_pass_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, inv_n, eps, x_row_stri
 
 
 @triton.jit
+def layer_two_pass_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n, eps, x_row_stride, y_row_stride,
+                          FIRST: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr):
+    # LayerNorm as rms_two_pass_kernel: pass 1 sums s and s^2 per lane, s = x - the row's
+    # first value (the library's shift: both sums stay small, E[s^2] - E[s]^2 keeps the
+    # variance of rows with a large mean); pass 2 writes (x - mean) * rstd * w + b.
+    row = tl.program_id(0).to(tl.int64)
+    pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
+    sums = tl.zeros([BLOCK], dtype=tl.float32)
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0, eviction_policy=FIRST).to(tl.float32)
+        s = tl.where(cols < N, x - pilot, 0.0)
+        sums += s
+        squares += s * s
+    shifted_mean = tl.sum(sums, axis=0) * inv_n
+    var = tl.maximum(tl.sum(squares, axis=0) * inv_n - shifted_mean * shifted_mean, 0.0)
+    mean = pilot + shifted_mean
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0, eviction_policy=SECOND).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        y = ((x - pilot) - shifted_mean) * rstd * w + b
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
 def softmax_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
                          FIRST: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # The library's split forward (pintail/softmax.py, softmax only) with the hints: the new
@@ -136,6 +167,13 @@ def rms_two_pass(x, w, y, rstd, block, warps, hints, eps=1e-6):
                                        SECOND=second, BLOCK=block, num_warps=warps)
 
 
+def layer_two_pass(x, w, b, y, mean, rstd, block, warps, hints, eps=1e-5):
+    first, second = HINTS[hints]
+    N = x.shape[1]
+    layer_two_pass_kernel[(x.shape[0],)](x, w, b, y, mean, rstd, N, 1.0 / N, eps, x.stride(0), y.stride(0),
+                                         FIRST=first, SECOND=second, BLOCK=block, num_warps=warps)
+
+
 def check(device):
     for M, N, block in ((3, 1000, 256), (2, 64, 64), (4, 4097, 1024), (1, 1, 16)):
         x = torch.randn(M, N, device=device) * 3
@@ -148,6 +186,11 @@ def check(device):
             rms_two_pass(x, w, y, rstd, block, 4, hints)
             want = torch.nn.functional.rms_norm(x.double(), (N,), w.double(), 1e-6).float()
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            b = torch.randn(N, device=device)
+            shifted = x * 0.1 + 1000.0  # a large mean against the spread: the shift must keep the variance
+            layer_two_pass(shifted, w, b, y, torch.empty(M, device=device), rstd, block, 4, hints)
+            want = torch.nn.functional.layer_norm(shifted.double(), (N,), w.double(), b.double(), 1e-5).float()
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
             split_cfg = {"plan": "split", "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 3, "LAG_ROUNDS": 1}
             softmax_split(x, y, hints, split_cfg)
             torch.testing.assert_close(y, torch.softmax(x.double(), -1).float(), rtol=1e-5, atol=1e-6)
@@ -167,17 +210,21 @@ def main():
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        rstd = torch.empty(M, device="cuda")
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        mean, rstd = torch.empty(M, device="cuda"), torch.empty(M, device="cuda")
         nbytes = 2 * x.numel() * 2
         runs = {"softmax library": lambda: softmax_module.launch_forward(x, y, False),
                 "rms library": lambda: norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype),
+                "layer library": lambda: norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype),
                 "softmax split (library config) hints": lambda: softmax_split(x, y, "hints")}
         for block, warps in CONFIGS:
             for hints in HINTS:
                 runs[f"softmax two-pass {block}/{warps} {hints}"] = \
-                    lambda b=block, nw=warps, h=hints: softmax_two_pass(x, y, b, nw, h)
+                    lambda bl=block, nw=warps, h=hints: softmax_two_pass(x, y, bl, nw, h)
                 runs[f"rms two-pass {block}/{warps} {hints}"] = \
-                    lambda b=block, nw=warps, h=hints: rms_two_pass(x, w, y, rstd, b, nw, h)
+                    lambda bl=block, nw=warps, h=hints: rms_two_pass(x, w, y, rstd, bl, nw, h)
+                runs[f"layer two-pass {block}/{warps} {hints}"] = \
+                    lambda bl=block, nw=warps, h=hints: layer_two_pass(x, w, b, y, mean, rstd, bl, nw, h)
         for name in sorted(runs, key=lambda n: n.split()[0]):
             ms = time_ms(runs[name])
             print(f"N={N} {name}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
