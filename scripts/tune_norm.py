@@ -42,8 +42,11 @@ def configs(direction, N, rms):
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                             for per_sm in (2, 4)]
     if direction == "bwd" and rms and N >= 16384:
+        # registers (scripts/inspect_kernel.py): 128 at 2048 / 4 warps (166 with the residual's
+        # gradient and a bias: 3 per SM), ~64-80 at 1024 / 4 warps
         out += [{"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-                for block, warps, per_sm in ((2048, 4, 4), (4096, 8, 2), (8192, 16, 1)) for rows in (16, 32)]
+                for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1))
+                for rows in (16, 32)]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
@@ -57,7 +60,8 @@ def main():
     p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
-    p.add_argument("--residual", action="store_true", help="rms_norm with a fused residual (forward only)")
+    p.add_argument("--residual", action="store_true",
+                   help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
     args = p.parse_args()
     rms = not args.layer
     copy_bw = copy_bandwidth()
@@ -73,12 +77,14 @@ def main():
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
             default = norm.forward_config(N, rms, args.residual) if direction == "fwd" else norm.backward_config(N, rms)
             residual = torch.randn_like(x) if args.residual else None
-            nbytes = (2 if direction == "fwd" else 3) * M * N * 2 * (2 if args.residual else 1)
+            dh = residual if args.residual else None  # the backward's extra read (any values do)
+            # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
+            nbytes = M * N * 2 * ((4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3))
             for cfg in configs(direction, N, rms):
                 if direction == "fwd":
                     fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:
-                    fn = lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
+                    fn = lambda: norm._backward(dy, dh, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
                 record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
             del x, dy, residual
             torch.cuda.empty_cache()
