@@ -7,6 +7,8 @@
 #   bash scripts/device_run.sh experiments        # prepared experiments of docs/perf-notes.md: host time,
 #                                                 # two-pass long rows (~5 min)
 #   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
+#   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (untried, ~5 min?)
+#   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 OUT=${OUT:-device-out}
@@ -31,5 +33,24 @@ case $mode in
             timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
             echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -60
         done ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments[-norm]"; exit 2 ;;
+    profile)  # Nsight Compute on one launch per case (scripts/profile_kernel.py); reports in $OUT
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+                  --section WarpStateStats --section SchedulerStats --section LaunchStats"
+        for case in "softmax_fwd 32768" "softmax_fwd 131072" "softmax_bwd 131072" "rms_fwd 32768" "rms_fwd 131072" \
+                    "layer_fwd 131072" "rms_bwd 32768" "layer_bwd 32768" "cross_entropy_fwd 32768"; do
+            set -- $case
+            timeout 100 "$ncu" --clock-control none --profile-from-start off $sections \
+                python3 scripts/profile_kernel.py "$1" "$2" > "$OUT/ncu-$1-$2.txt" 2>&1
+            echo "== $1 $2 (exit $?)"
+            grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
+                "$OUT/ncu-$1-$2.txt" | head -24
+        done ;;
+    sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans (small shapes)
+        timeout 560 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_norm.py \
+            tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
+            -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
+        echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments[-norm]" \
+            "| profile | sanitize"; exit 2 ;;
 esac

@@ -1,0 +1,90 @@
+"""One launch of one library kernel, inside cudaProfilerStart / Stop, for Nsight Compute
+(`ncu --profile-from-start off`): where the split, own-row and blocks plans lose their
+time (stall reasons, L2 hit rate, achieved occupancy) rather than guessing from fractions.
+The kernels are compiled and run once before the profiled launch; inputs are bf16 with
+M*N = 2^27 (cross-entropy: M = 4096), as in the bench.
+
+The device tool's one-GPU machine (Firecracker) runs ncu with hardware counters (its
+KINDS.md, seen 2026-11-04; leave the clocks alone: --clock-control none):
+
+    bash scripts/device_run.sh profile                                # every case below
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
+        python3 scripts/profile_kernel.py softmax_fwd 131072
+
+On a CPU (TRITON_INTERPRET=1, tiny sizes) it only checks that each case runs:
+    TRITON_INTERPRET=1 python scripts/profile_kernel.py --smoke
+"""
+
+import importlib
+import sys
+
+import torch
+
+import pintail
+
+norm = importlib.import_module("pintail.norm")
+softmax_module = importlib.import_module("pintail.softmax")
+
+
+def cases(N, device, elements):
+    """name -> a function that makes the inputs and returns the call to profile."""
+    M = max(1, elements // N)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+
+    def softmax_fwd():
+        x = torch.randn(M, N, **bf16)
+        y = torch.empty_like(x)
+        return lambda: softmax_module.launch_forward(x, y, False)
+
+    def softmax_bwd():
+        y = torch.softmax(torch.randn(M, N, **bf16).float(), -1).to(torch.bfloat16)
+        dy, dx = torch.randn_like(y), torch.empty_like(y)
+        return lambda: softmax_module.launch_backward(y, dy, dx, False)
+
+    def norm_fwd(rms):
+        def make():
+            x, w = torch.randn(M, N, **bf16), torch.randn(N, **bf16)
+            b = None if rms else torch.randn(N, **bf16)
+            return lambda: norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+        return make
+
+    def norm_bwd(rms):
+        def make():
+            x, w, dy = torch.randn(M, N, **bf16), torch.randn(N, **bf16), torch.randn(M, N, **bf16)
+            _, _, mean, rstd = norm._forward(x, None, w, None if rms else w, 1e-6, 0.0, rms, x.dtype)
+            return lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)
+        return make
+
+    def cross_entropy_fwd():
+        rows = min(M, 4096)
+        x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
+        return lambda: pintail.cross_entropy(x, t, check_target=False, reduction="none")
+
+    return {"softmax_fwd": softmax_fwd, "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
+            "layer_fwd": norm_fwd(False), "rms_bwd": norm_bwd(True), "layer_bwd": norm_bwd(False),
+            "cross_entropy_fwd": cross_entropy_fwd}
+
+
+def profile(name, N):
+    call = cases(N, "cuda", 2**27)[name]()
+    call()  # compile and load outside the profiled range
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def smoke():
+    for N in (300, 40000):
+        for name, make in cases(N, "cpu", 4 * N).items():
+            make()()
+    print("every case runs (cpu)", flush=True)
+
+
+if __name__ == "__main__":
+    if "--smoke" in sys.argv:
+        smoke()
+    else:
+        profile(sys.argv[1], int(sys.argv[2]))
