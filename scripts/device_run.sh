@@ -6,7 +6,7 @@
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
 #   bash scripts/device_run.sh experiments        # prepared experiments of docs/perf-notes.md: host time,
 #                                                 # two-pass long rows (~5 min)
-#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
+#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants, LayerNorm split forward (~5 min)
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (untried, ~5 min?)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests
 set -o pipefail
@@ -28,7 +28,7 @@ case $mode in
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments | experiments-norm)
         scripts="exp_kept_slots exp_ce_check_host exp_backward_timeline exp_two_pass_eviction"
-        [ "$mode" = experiments-norm ] && scripts="exp_norm_blocks_deep exp_norm_blocks_backward"
+        [ "$mode" = experiments-norm ] && scripts="exp_norm_blocks_deep exp_norm_blocks_backward exp_layer_split_forward"
         for script in $scripts; do
             timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
             echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -60
