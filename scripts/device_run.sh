@@ -4,9 +4,10 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~2.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
-#   bash scripts/device_run.sh experiments        # prepared experiments of docs/perf-notes.md: host time,
-#                                                 # two-pass long rows (~5 min)
-#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants, LayerNorm split forward (~5 min)
+#   bash scripts/device_run.sh experiments-host   # host time: kept slots, CE check buffers, timeline (~3 min)
+#   bash scripts/device_run.sh experiments-rows   # long rows: two-pass + eviction hints, LayerNorm split
+#                                                 # forward registers, wait variants (~6 min)
+#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (untried, ~5 min?)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests
 set -o pipefail
@@ -26,9 +27,12 @@ case $mode in
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
-    experiments | experiments-norm)
-        scripts="exp_kept_slots exp_ce_check_host exp_backward_timeline exp_two_pass_eviction"
-        [ "$mode" = experiments-norm ] && scripts="exp_norm_blocks_deep exp_norm_blocks_backward exp_layer_split_forward"
+    experiments-host | experiments-rows | experiments-norm)
+        case $mode in
+            experiments-host) scripts="exp_kept_slots exp_ce_check_host exp_backward_timeline" ;;
+            experiments-rows) scripts="exp_two_pass_eviction exp_layer_split_forward exp_wait_variants" ;;
+            experiments-norm) scripts="exp_norm_blocks_deep exp_norm_blocks_backward" ;;
+        esac
         for script in $scripts; do
             timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
             echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -60
@@ -51,6 +55,6 @@ case $mode in
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments[-norm]" \
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments-host|rows|norm" \
             "| profile | sanitize"; exit 2 ;;
 esac
