@@ -128,12 +128,8 @@ def inspect():
 
 
 def main():
-    from measure import copy_bandwidth, time_ms
-    check(torch.device("cuda"))
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (65536, 131072, 262144):
-        M = 2**27 // N
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check, sizes=(65536, 131072, 262144)):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w, b = torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(N, device="cuda", dtype=torch.bfloat16)
         nbytes = 2 * x.numel() * 2
@@ -142,8 +138,7 @@ def main():
             runs[f"variant {variant}, {cfg['num_warps']} warps, {cfg['PROGRAMS_PER_SM']} per SM"] = \
                 lambda variant=variant, cfg=cfg: forward(x, w, b, variant, cfg)
         for name, fn in runs.items():
-            ms = time_ms(fn)
-            print(f"N={N} {name}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+            print_fraction(f"N={N} {name}", fn, nbytes, copy_bw)
 
 
 if __name__ == "__main__":

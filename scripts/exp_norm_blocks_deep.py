@@ -138,12 +138,8 @@ def inspect():
 
 
 def main():
-    from measure import copy_bandwidth, time_ms
-    check(torch.device("cuda"))
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (32768, 131072, 262144):
-        M = 2**27 // N
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -152,8 +148,7 @@ def main():
         runs = {f"library blocks {cfg}": (lambda cfg=cfg: library(dy, x, w, rstd, cfg)) for cfg in LIBRARY_CONFIGS}
         runs.update({f"two ahead {cfg}": (lambda cfg=cfg: backward(dy, x, w, rstd, cfg)) for cfg in CONFIGS})
         for name, fn in runs.items():
-            ms = time_ms(fn)
-            print(f"N={N} {name}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+            print_fraction(f"N={N} {name}", fn, nbytes, copy_bw)
 
 
 if __name__ == "__main__":

@@ -201,12 +201,8 @@ CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 
 
 def main():
-    from measure import copy_bandwidth, time_ms
-    check(torch.device("cuda"))
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (32768, 65536, 131072):
-        M = 2**27 // N
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check, sizes=(32768, 65536, 131072)):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
@@ -226,8 +222,7 @@ def main():
                 runs[f"layer two-pass {block}/{warps} {hints}"] = \
                     lambda bl=block, nw=warps, h=hints: layer_two_pass(x, w, b, y, mean, rstd, bl, nw, h)
         for name in sorted(runs, key=lambda n: n.split()[0]):
-            ms = time_ms(runs[name])
-            print(f"N={N} {name}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
+            print_fraction(f"N={N} {name}", runs[name], nbytes, copy_bw)
         del x, y
 
 
