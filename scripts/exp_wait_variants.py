@@ -36,6 +36,14 @@ split = importlib.import_module("pintail._split")
 
 
 @triton.jit
+def _unpacked(words, k, SLICES):
+    """As the library's wait_for_row returns them: (hi, lo, valid)."""
+    hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = words.to(tl.int32).to(tl.float32, bitcast=True)
+    return hi, lo, k < SLICES
+
+
+@triton.jit
 def wait_for_row_masked(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
     k = tl.arange(0, SLICES_POW2)
     ptrs = slots_ptr + 1 + row * SLICES + k
@@ -43,9 +51,7 @@ def wait_for_row_masked(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
     while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
         again = tl.load(ptrs, mask=(k < SLICES) & (words == 0), other=0, volatile=True)
         words = tl.where(words == 0, again, words)
-    hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo, k < SLICES
+    return _unpacked(words, k, SLICES)
 
 
 @triton.jit
@@ -62,9 +68,7 @@ def wait_for_row_sleep(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
     while tl.sum((words == 0).to(tl.int32), axis=0) > 0:
         _nanosleep()
         words = tl.load(ptrs, mask=k < SLICES, other=1, volatile=True)
-    hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return hi, lo, k < SLICES
+    return _unpacked(words, k, SLICES)
 
 
 VARIANTS = {"library": None, "masked": wait_for_row_masked, "sleep": wait_for_row_sleep}
