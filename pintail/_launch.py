@@ -2,6 +2,7 @@
 and how a tensor is seen as a matrix of rows for a row-wise kernel."""
 
 import functools
+import math
 
 import torch
 import triton
@@ -113,11 +114,12 @@ def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
         if t.dim() == 2 and t.stride(1) == 1:
             return t
         if t.is_contiguous():
-            return t.view(-1, t.shape[-1])
+            return t.view(math.prod(t.shape[:-1]), t.shape[-1])
     moved = t.movedim(dim, -1)
     if moved.dim() == 0:
         moved = moved.reshape(1)
-    return unit_stride(moved).reshape(-1, moved.shape[-1])
+    # the row count spelled out, not -1: a row may hold no elements
+    return unit_stride(moved).reshape(math.prod(moved.shape[:-1]), moved.shape[-1])
 
 
 def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels, unit_stride
+from ._launch import KERNEL_DTYPES, as_rows, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -623,13 +623,6 @@ class _TargetCheck:
             _check_target_values(self.target, self.C, self.ignore_index)
 
 
-def _rows_of_classes(t, M, C):
-    """(C), (N, C) or (N, C, d1, ...) as (M, C) rows; (N, C) as it is (a view costs host time)."""
-    if t.dim() == 2:
-        return t
-    return t.reshape(1, C) if t.dim() == 1 else t.movedim(1, -1).reshape(M, C)
-
-
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
                   check_target=True):
@@ -671,12 +664,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     softcap = 0.0 if softcap is None else softcap  # 0: none, for the kernels
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
     batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
-    M = 1  # rows: every dim but the classes' (explicit, not -1: C may be 0)
-    for d in (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ()):
-        M *= d
-    x = unit_stride(_rows_of_classes(input, M, C))
+    class_dim = 1 if input.dim() > 1 else 0
+    x = as_rows(input, class_dim)
     if prob_target:
-        t = unit_stride(_rows_of_classes(target, M, C))
+        t = as_rows(target, class_dim)
     else:  # the kernels index targets and weights with unit stride
         t = (target if target.dim() == 1 else target.reshape(-1)).contiguous()
     weight = weight.contiguous() if weight is not None else None
