@@ -161,6 +161,11 @@ def _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, mask, x_row_stride, 
 
 
 @triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N,
                           inv_n, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                           SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -177,10 +182,14 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
         row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
         new = (cols < N) & (row < M)
         old = (cols < N) & (done >= 0)
-        x_new = _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, new, x_row_stride, residual_row_stride,
-                                 HAS_RESIDUAL)
-        x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
-                                 HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            x_new = _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, new, x_row_stride, residual_row_stride,
+                                     HAS_RESIDUAL)
+            x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
+                                     HAS_RESIDUAL)
+        else:  # held in the input's dtype until used: LayerNorm at 4 warps takes 110 registers, not 168
+            x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0)
+            x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0)
         if not RMS:  # both rows' first values (the shift), issued with the slices' loads, not after the wait
             first = _load_normalised(x_ptr, residual_ptr, h_ptr, row, 0, row < M, x_row_stride, residual_row_stride,
                                      HAS_RESIDUAL)
@@ -191,22 +200,23 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
             if HAS_RESIDUAL:
                 tl.store(h_ptr + row * h_row_stride + cols, x_new.to(h_ptr.dtype.element_ty), mask=new)
             if RMS:
-                split.publish(slots_ptr, ticket, tl.sum(x_new * x_new, axis=0), tl.full((), 1.0, tl.float32))
+                x32 = x_new.to(tl.float32)
+                split.publish(slots_ptr, ticket, tl.sum(x32 * x32, axis=0), tl.full((), 1.0, tl.float32))
             else:
-                s = tl.where(new, x_new - first, 0.0)
-                squares = tl.sum(s * s, axis=0)
+                s = tl.where(new, x_new.to(tl.float32) - first, 0.0)
+                squares, sums = tl.reduce((s * s, s), 0, _add_pairs)  # one pass over the warps, not two
                 squares = (squares.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
-                split.publish(slots_ptr, ticket, squares, tl.sum(s, axis=0))
+                split.publish(slots_ptr, ticket, squares, sums)
         if done >= 0:
             squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             if RMS:
-                centred = x_old
+                centred = x_old.to(tl.float32)
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
             else:
                 shifted_mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n - shifted_mean * shifted_mean
                 var = tl.maximum(var, 0.0)
-                centred = (x_old - pilot) - shifted_mean
+                centred = (x_old.to(tl.float32) - pilot) - shifted_mean
                 tl.store(mean_ptr + done, pilot + shifted_mean, mask=ticket % SLICES == 0)
             rstd = 1.0 / tl.sqrt(var + eps)
             tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
@@ -462,7 +472,7 @@ FORWARD_LONG_UP_TO = 32768
 FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
                  "rms+residual": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2,
                                   "LAG_ROUNDS": 1},
-                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}}
+                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}}
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 # RMSNorm past its rows plan: x and dy read once (0.60-0.64 of copy against the long plan's
 # 0.56 at N = 32768-262144, scripts/exp_norm_blocks_backward.py). LayerNorm keeps the long
