@@ -468,7 +468,9 @@ FORWARD_LONG_UP_TO = 32768
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
-# once (session 5), a full round 0.67.
+# once (session 5), a full round 0.67. LayerNorm at 4 warps takes 128 registers (4 per SM)
+# now that slices stay in bf16 until used: 0.73-0.75 of copy alone, against 0.68-0.70 at its
+# former 8 warps (80 registers: 3 per SM where 4 were counted).
 FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
                  "rms+residual": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2,
                                   "LAG_ROUNDS": 1},
