@@ -4,9 +4,11 @@ and torch.library registration.
 Bytes per element (the floor): forward reads x and writes y; backward reads y and dy and
 writes dx. Every kernel here moves each of those once through HBM.
 
-Two plans, picked by row length N:
+Plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
+- two pass (forward, N up to 32768): a program a row reads it twice, the second time from
+  L2 (the first read asks L2 to keep it); y written once, two exps per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
@@ -87,6 +89,34 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
                 y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
+
+
+@triton.jit
+def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
+    # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
+    # (evict_first), so the second read comes from L2 while the rows in flight fit there.
+    row = tl.program_id(0).to(tl.int64)
+    row_max = -float("inf")
+    total = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: sum 0, not NaN
+        total = total * tl.exp2((row_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+        row_max = new_max
+    log2_total = tl.log2(total)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = tl.exp2((x - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -197,6 +227,12 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16
 # are programs, so a row's readers have finished when its writers come, and the lagged
 # slices are still in L2; two rounds fell out of L2, half a round waited).
 FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
+# Two passes over each row, its second read from L2 (eviction hints), between the rows plan
+# and the split plan: 0.85 of copy at N = 32768 against the split plan's 0.80; at 65536 the
+# two are level (0.805 / 0.795) and at 131072 the rows in flight no longer fit in L2 (0.65)
+# (scripts/exp_two_pass_eviction.py, H200, bf16).
+FORWARD_TWO_PASS_UP_TO = 32768
+FORWARD_TWO_PASS = {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8}
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -218,7 +254,7 @@ def _config(N, rows_table, split):
 
 
 def forward_config(N):
-    return _config(N, FORWARD_ROWS, FORWARD_SPLIT)
+    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS if N <= FORWARD_TWO_PASS_UP_TO else FORWARD_SPLIT)
 
 
 def backward_config(N, log):
@@ -237,6 +273,9 @@ def launch_forward(x, y, log, config=None):
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "two_pass":
+        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)

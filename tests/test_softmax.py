@@ -77,6 +77,32 @@ def test_split_plan_with_small_slices(M, N, lag_rounds, device):
         assert_matches(dx, dx_truth, dx_truth.float())
 
 
+@pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (6, 1000)])
+def test_two_pass_forward_with_small_chunks(M, N, device):
+    """The two-pass forward at a chunk size small enough that rows cut into many chunks;
+    chunks and rows of -inf, a +inf, large values."""
+    x = torch.randn(M, N, device=device) * 4
+    x[0, : N // 2] = -float("inf")  # leading chunks of row 0 hold nothing but -inf
+    if M > 3:
+        x[3] = -float("inf")        # a whole row: NaN, as torch gives
+    if M > 4:
+        x[4, N // 3] = float("inf")
+        x[2, ::3] = 1e4
+    config = {"plan": "two_pass", "BLOCK": 64, "num_warps": 4}
+    for log in (False, True):
+        y = torch.empty_like(x)
+        softmax_module.launch_forward(x, y, log, config)
+        torch_fn = torch.log_softmax if log else torch.softmax
+        assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
+
+
+def test_long_rows_forward_plans():
+    """Past the rows plan the forward reads each row twice up to 32768, then splits rows."""
+    assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
+    assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO)["plan"] == "two_pass"
+    assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO + 1)["plan"] == "split"
+
+
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (3, 65), (2, 1000), (9, 130), (1, 4097)])
 def test_own_row_backward_with_small_slices(M, N, device):
     """The own-row backward (each slice published, waited for and written by the program
