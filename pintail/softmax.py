@@ -228,11 +228,15 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16
 # slices are still in L2; two rounds fell out of L2, half a round waited).
 FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
 # Two passes over each row, its second read from L2 (eviction hints), between the rows plan
-# and the split plan: 0.85 of copy at N = 32768 against the split plan's 0.80; at 65536 the
-# two are level (0.805 / 0.795) and at 131072 the rows in flight no longer fit in L2 (0.65)
-# (scripts/exp_two_pass_eviction.py, H200, bf16).
+# and the split plan (kernel alone, H200, bf16; split plan 0.80 / 0.81 for softmax /
+# log_softmax): softmax 0.78 / 0.90 / 0.85 at N = 16400 / 24576 / 32768 at 8 warps;
+# log_softmax 0.91 / 0.86 at 24576 / 32768 at 16 warps, where its 8 warps (48 registers,
+# 5 programs per SM where softmax's 54 fit 4) fell to 0.79 at 32768: likely more rows in
+# flight than L2 keeps (5 x 132 x 64 KB = 43 MB). At 65536 two passes (16384 / 16 warps)
+# and the split plan are level (0.81-0.83 / 0.80); at 131072 two passes fall to 0.65.
 FORWARD_TWO_PASS_UP_TO = 32768
-FORWARD_TWO_PASS = {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8}
+FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
+                    True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -253,8 +257,8 @@ def _config(N, rows_table, split):
     return split
 
 
-def forward_config(N):
-    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS if N <= FORWARD_TWO_PASS_UP_TO else FORWARD_SPLIT)
+def forward_config(N, log=False):
+    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if N <= FORWARD_TWO_PASS_UP_TO else FORWARD_SPLIT)
 
 
 def backward_config(N, log):
@@ -268,7 +272,7 @@ def backward_config(N, log):
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    cfg = config or forward_config(N)
+    cfg = config or forward_config(N, log)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,

@@ -57,7 +57,7 @@ def main():
     for N in (131072, 262144):
         for log in (False, True):
             name = "log_softmax" if log else "softmax"
-            cfg = sm.forward_config(N)
+            cfg = sm.forward_config(N, log)
             report(f"{name} fwd N={N} ({cfg['plan']})", sm._forward_split_kernel, split_fwd,
                    {"LOG": log, "BLOCK": cfg["BLOCK"], "SLICES_POW2": slices_pow2(N, cfg["BLOCK"])}, cfg)
             cfg = sm.backward_config(N, log)

@@ -34,6 +34,9 @@ def configs(N, direction):
                                      (8192, 8, 1), (8192, 8, 2), (8192, 16, 2), (16384, 16, 1)):
             if 2 <= -(-N // block) <= 64:
                 out.append({"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
+    if 16384 <= N <= 65536 and direction == "fwd":
+        out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
+                ((4096, 8), (8192, 8), (8192, 16), (16384, 16))]
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
@@ -60,7 +63,7 @@ def main():
             y = torch.empty_like(x)
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
-            default = sm.forward_config(N) if direction == "fwd" else sm.backward_config(N, args.log)
+            default = sm.forward_config(N, args.log) if direction == "fwd" else sm.backward_config(N, args.log)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
             for cfg in configs(N, direction):
                 if direction == "fwd":

@@ -98,9 +98,10 @@ def test_two_pass_forward_with_small_chunks(M, N, device):
 
 def test_long_rows_forward_plans():
     """Past the rows plan the forward reads each row twice up to 32768, then splits rows."""
-    assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
-    assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO)["plan"] == "two_pass"
-    assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO + 1)["plan"] == "split"
+    for log in (False, True):
+        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log)["plan"] == "two_pass"
+        assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO, log)["plan"] == "two_pass"
+        assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO + 1, log)["plan"] == "split"
 
 
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (3, 65), (2, 1000), (9, 130), (1, 4097)])
