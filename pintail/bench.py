@@ -28,7 +28,9 @@ def _matrix(M, N, dtype, device):
     return (torch.randn(M, N, device=device, dtype=dtype),), ()
 
 
-CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 40000)]   # the last takes every op's plan for long rows
+# (2, 20000): softmax's two-pass forward, the norms' long forward; (2, 40000): every op's
+# plan for rows past 32768
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000), (2, 40000)]
 
 
 @dataclass
