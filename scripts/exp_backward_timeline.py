@@ -91,7 +91,7 @@ def cases():
             return loss, (x,), None
         return make
 
-    return {"rms_norm N=1024 (rows plan)": norm(1024, True), "rms_norm N=32768 (long plan)": norm(32768, True),
+    return {"rms_norm N=1024 (rows plan)": norm(1024, True), "rms_norm N=32768 (blocks plan)": norm(32768, True),
             "rms_norm + residual N=4096": norm(4096, True, residual=True),
             "layer_norm N=4096": norm(4096, False), "softmax N=1024": softmax(1024),
             "softmax N=131072 (own row)": softmax(131072), "cross_entropy V=32768": cross_entropy(32768)}
