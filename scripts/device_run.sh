@@ -39,15 +39,21 @@ case $mode in
         done ;;
     profile)  # Nsight Compute on one launch per case (scripts/profile_kernel.py); reports in $OUT
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        # MemoryWorkloadAnalysis_Tables: L2 requests by kind (loads, stores, atomics), for what
+        # the split plans spend the L2 on beside the two-pass softmax (docs/perf-notes.md)
         sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
                   --section WarpStateStats --section SchedulerStats --section LaunchStats"
-        for case in "softmax_fwd 32768" "softmax_fwd 131072" "softmax_bwd 131072" "rms_fwd 32768" "rms_fwd 131072" \
-                    "layer_fwd 131072" "rms_bwd 32768" "layer_bwd 32768" "cross_entropy_fwd 32768"; do
+        if "$ncu" --list-sections 2>/dev/null | grep -q MemoryWorkloadAnalysis_Tables; then
+            sections="$sections --section MemoryWorkloadAnalysis_Tables"
+        fi
+        for case in "softmax_fwd 32768" "softmax_fwd_split 32768" "softmax_fwd 131072" "softmax_bwd 131072" \
+                    "rms_fwd 32768" "rms_fwd 131072" "layer_fwd 131072" "rms_bwd 32768" "layer_bwd 32768" \
+                    "cross_entropy_fwd 32768"; do
             set -- $case
             timeout 100 "$ncu" --clock-control none --profile-from-start off $sections \
                 python3 scripts/profile_kernel.py "$1" "$2" > "$OUT/ncu-$1-$2.txt" 2>&1
             echo "== $1 $2 (exit $?)"
-            grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
+            grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
                 "$OUT/ncu-$1-$2.txt" | head -24
         done ;;
     sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans (small shapes)

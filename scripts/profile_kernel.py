@@ -32,10 +32,12 @@ def cases(N, device, elements):
     M = max(1, elements // N)
     bf16 = dict(device=device, dtype=torch.bfloat16)
 
-    def softmax_fwd():
-        x = torch.randn(M, N, **bf16)
-        y = torch.empty_like(x)
-        return lambda: softmax_module.launch_forward(x, y, False)
+    def softmax_fwd(config=None):
+        def make():
+            x = torch.randn(M, N, **bf16)
+            y = torch.empty_like(x)
+            return lambda: softmax_module.launch_forward(x, y, False, config)
+        return make
 
     def softmax_bwd():
         y = torch.softmax(torch.randn(M, N, **bf16).float(), -1).to(torch.bfloat16)
@@ -61,7 +63,9 @@ def cases(N, device, elements):
         x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
         return lambda: pintail.cross_entropy(x, t, check_target=False, reduction="none")
 
-    return {"softmax_fwd": softmax_fwd, "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
+    # softmax_fwd_split: the split plan at any N (at 32768 beside the library's two passes)
+    return {"softmax_fwd": softmax_fwd(), "softmax_fwd_split": softmax_fwd(softmax_module.FORWARD_SPLIT),
+            "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
             "layer_fwd": norm_fwd(False), "rms_bwd": norm_bwd(True), "layer_bwd": norm_bwd(False),
             "cross_entropy_fwd": cross_entropy_fwd}
 
