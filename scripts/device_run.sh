@@ -2,14 +2,13 @@
 # One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
-#   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~2.5 min)
-#   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3.5 min)
-#   bash scripts/device_run.sh experiments-host   # host time: kept slots, CE check buffers, timeline (~3 min)
-#   bash scripts/device_run.sh experiments-rows   # long rows: two-pass + eviction hints, LayerNorm split
-#                                                 # forward registers, wait variants (~6 min)
-#   bash scripts/device_run.sh experiments-norm   # the norm backward's blocks variants (~4 min)
-#   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (untried, ~5 min?)
-#   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests
+#   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
+#   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
+#   bash scripts/device_run.sh experiments         # the next steps of docs/perf-notes.md: the norms' long forward
+#                                                  # with eviction hints, softmax's two passes at 49152-65536,
+#                                                  # the residual's blocks backward at 3 per SM (~4 min?)
+#   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
+#   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 OUT=${OUT:-device-out}
@@ -27,15 +26,13 @@ case $mode in
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
-    experiments-host | experiments-rows | experiments-norm)
-        case $mode in
-            experiments-host) scripts="exp_kept_slots exp_ce_check_host exp_backward_timeline" ;;
-            experiments-rows) scripts="exp_two_pass_eviction exp_layer_split_forward exp_wait_variants" ;;
-            experiments-norm) scripts="exp_norm_blocks_deep exp_norm_blocks_backward" ;;
-        esac
-        for script in $scripts; do
-            timeout 250 python3 scripts/$script.py > "$OUT/$script.log" 2>&1
-            echo "== $script (exit $?)"; grep -v "^ " "$OUT/$script.log" | tail -60
+    experiments)  # each step's log in $OUT; the lines that do not start with a space printed
+        steps=("exp_norm_long_hints.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
+               "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536 --log"
+               "tune_norm.py --out $OUT --residual --directions bwd --sizes 65536,131072,262144")
+        for i in "${!steps[@]}"; do
+            timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
+            echo "== ${steps[$i]} (exit $?)"; grep -v "^ " "$OUT/step$i.log" | tail -40
         done ;;
     profile)  # Nsight Compute on one launch per case (scripts/profile_kernel.py); reports in $OUT
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -61,6 +58,6 @@ case $mode in
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments-host|rows|norm" \
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments" \
             "| profile | sanitize"; exit 2 ;;
 esac
