@@ -7,7 +7,7 @@ writes dx. Every kernel here moves each of those once through HBM.
 Plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
-- two pass (forward, N up to 32768): a program a row reads it twice, the second time from
+- two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row reads it twice, the second time from
   L2 (the first read asks L2 to keep it); y written once, two exps per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
@@ -234,7 +234,10 @@ FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_S
 # 5 programs per SM where softmax's 54 fit 4) fell to 0.79 at 32768: likely more rows in
 # flight than L2 keeps (5 x 132 x 64 KB = 43 MB). At 65536 two passes (16384 / 16 warps)
 # and the split plan are level (0.81-0.83 / 0.80); at 131072 two passes fall to 0.65.
-FORWARD_TWO_PASS_UP_TO = 32768
+# The gain needs the rows in flight to stay in L2 between the passes, so the limit is in
+# bytes a row: float32 rows past the rows plan (16385+ elements, 64 KB+) take the split plan
+# (not measured in float32).
+FORWARD_TWO_PASS_ROW_BYTES = 65536
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
@@ -257,8 +260,9 @@ def _config(N, rows_table, split):
     return split
 
 
-def forward_config(N, log=False):
-    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if N <= FORWARD_TWO_PASS_UP_TO else FORWARD_SPLIT)
+def forward_config(N, log=False, item_size=2):
+    two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
+    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
 
 
 def backward_config(N, log):
@@ -272,7 +276,7 @@ def backward_config(N, log):
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    cfg = config or forward_config(N, log)
+    cfg = config or forward_config(N, log, x.element_size())
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,

@@ -97,11 +97,13 @@ def test_two_pass_forward_with_small_chunks(M, N, device):
 
 
 def test_long_rows_forward_plans():
-    """Past the rows plan the forward reads each row twice up to 32768, then splits rows."""
+    """Past the rows plan the forward reads each row twice while a row is at most 64 KB
+    (bf16 / fp16 up to 32768), then splits rows; float32 rows past the rows plan split."""
     for log in (False, True):
-        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log)["plan"] == "two_pass"
-        assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO, log)["plan"] == "two_pass"
-        assert softmax_module.forward_config(softmax_module.FORWARD_TWO_PASS_UP_TO + 1, log)["plan"] == "split"
+        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 2)["plan"] == "two_pass"
+        assert softmax_module.forward_config(32768, log, 2)["plan"] == "two_pass"
+        assert softmax_module.forward_config(32769, log, 2)["plan"] == "split"
+        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 4)["plan"] == "split"
 
 
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (3, 65), (2, 1000), (9, 130), (1, 4097)])
