@@ -5,7 +5,8 @@
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments         # the next steps of docs/perf-notes.md: the norms' long forward
-#                                                  # with eviction hints, softmax's (max, sum) as one reduction,
+#                                                  # with eviction hints, softmax's (max, sum) and LayerNorm's
+#                                                  # (sum s, sum s^2) as one reduction each,
 #                                                  # softmax's two passes at 49152-65536,
 #                                                  # the residual's blocks backward at 3 per SM (~4 min?)
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
@@ -28,7 +29,7 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
-        steps=("exp_norm_long_hints.py" "exp_softmax_pair_reduce.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
+        steps=("exp_norm_long_hints.py" "exp_softmax_pair_reduce.py" "exp_layer_rows_pair_sum.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
                "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536 --log"
                "tune_norm.py --out $OUT --residual --directions bwd --sizes 65536,131072,262144")
         for i in "${!steps[@]}"; do

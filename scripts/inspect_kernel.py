@@ -62,7 +62,7 @@ def inspect(fn, signature, constexprs, num_warps):
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
     ops = Counter(line.split()[1] if line.split()[1].startswith("@") is False else line.split()[2]
                   for line in sass.splitlines()
-                  if any(op in line for op in ("LDG", "STG", "ATOMG", "RED.")) and len(line.split()) > 2)
+                  if any(op in line for op in ("LDG", "STG", "ATOMG", "RED.", "BAR.")) and len(line.split()) > 2)
     regs = [l.strip() for l in usage.splitlines() if "REG" in l]
     print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}")
     print("   ", dict(ops))
