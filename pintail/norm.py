@@ -71,10 +71,11 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         var = tl.sum(x * x, axis=1) * inv_n
     else:
         # Sums of s = x - pilot (the row's first value), small against a large mean, so that
-        # the variance E[s^2] - E[s]^2 keeps its digits. The two sums are independent: one
-        # round of cross-warp reductions, where the mean-then-deviations order needed two
-        # after a third for the pilot (that version measured 0.74-0.78 of copy at
-        # N = 4096-32768 on the H200, against 0.95 for RMSNorm's one sum).
+        # the variance E[s^2] - E[s]^2 keeps its digits. The two sums are independent, where
+        # the mean-then-deviations order made the second wait for the first (that version
+        # measured 0.74-0.78 of copy at N = 4096-32768 on the H200, against 0.95 for
+        # RMSNorm's one sum). They still compile to two rounds of barriers (5 BAR.SYNC; one
+        # tuple reduction: 2), to be timed: scripts/exp_layer_rows_pair_sum.py.
         shifted = tl.where(mask, x - pilot[:, None], 0.0)
         shifted_mean = tl.sum(shifted, axis=1) * inv_n
         var = tl.maximum(tl.sum(shifted * shifted, axis=1) * inv_n - shifted_mean * shifted_mean, 0.0)
