@@ -29,7 +29,8 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
-        steps=("exp_norm_long_hints.py" "exp_softmax_pair_reduce.py" "exp_layer_rows_pair_sum.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
+        steps=("exp_norm_long_hints.py" "exp_softmax_pair_reduce.py" "exp_layer_rows_pair_sum.py"
+               "exp_layer_backward_pair_sum.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
                "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536 --log"
                "tune_norm.py --out $OUT --residual --directions bwd --sizes 65536,131072,262144")
         for i in "${!steps[@]}"; do
