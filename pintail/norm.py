@@ -188,7 +188,7 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                                      HAS_RESIDUAL)
             x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
                                      HAS_RESIDUAL)
-        else:  # held in the input's dtype until used: LayerNorm at 4 warps takes 110 registers, not 168
+        else:  # held in the input's dtype until used: LayerNorm at 4 warps takes 128 registers, not 168
             x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0)
             x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0)
         if not RMS:  # both rows' first values (the shift), issued with the slices' loads, not after the wait

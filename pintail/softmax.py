@@ -7,8 +7,9 @@ writes dx. Every kernel here moves each of those once through HBM.
 Plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
-- two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row reads it twice, the second time from
-  L2 (the first read asks L2 to keep it); y written once, two exps per element.
+- two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row
+  reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
+  once, two exps per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
