@@ -133,7 +133,8 @@ def main():
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     for N in SIZES:
         M = 2**27 // N
-        x, dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16), torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
         w, b = torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(N, device="cuda", dtype=torch.bfloat16)
         _, _, mean, rstd = norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
         cfg = norm.backward_config(N, False)

@@ -174,7 +174,8 @@ def main():
             if cfg["plan"] == "two_pass" and cfg["num_warps"] != 16:
                 variants.append({**cfg, "num_warps": 16})
             for _ in range(2):  # alternating, twice
-                print_fraction(f"{name} library", lambda: softmax.launch_forward(x, y, log, cfg), 4 * x.numel(), copy_bw)
+                print_fraction(f"{name} library", lambda: softmax.launch_forward(x, y, log, cfg), 4 * x.numel(),
+                               copy_bw)
                 for variant in variants:
                     print_fraction(f"{name} pair reduction, {variant['num_warps']} warps",
                                    lambda: forward(x, y, log, variant), 4 * x.numel(), copy_bw)

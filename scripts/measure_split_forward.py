@@ -17,8 +17,8 @@ def main():
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w, b = torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(N, device="cuda", dtype=torch.bfloat16)
         for name, rms, bias in (("rms", True, None), ("layer", False, b)):
-            print_fraction(f"N={N} {name} split forward", lambda: norm._forward(x, None, w, bias, 1e-5, 0.0, rms, x.dtype),
-                           2 * x.numel() * 2, copy_bw)
+            print_fraction(f"N={N} {name} split forward",
+                           lambda: norm._forward(x, None, w, bias, 1e-5, 0.0, rms, x.dtype), 2 * x.numel() * 2, copy_bw)
 
 
 if __name__ == "__main__":
