@@ -32,11 +32,6 @@ SIZES = (1024, 4096, 8192)
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def layer_backward_rows_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                                x_row_stride, dy_row_stride, dx_row_stride, PAIR: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -69,7 +64,7 @@ def layer_backward_rows_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr,
         x_hat = tl.where(mask, x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None], 0.0) * rstd
         g = dy * w
         if PAIR:
-            gx_sum, g_sum = tl.reduce((g * x_hat, g), 1, _add_pairs)
+            gx_sum, g_sum = tl.reduce((g * x_hat, g), 1, norm._add_pairs)
         else:
             gx_sum = tl.sum(g * x_hat, axis=1)
             g_sum = tl.sum(g, axis=1)
@@ -125,14 +120,8 @@ def inspect():
 
 
 def main():
-    from measure import copy_bandwidth, print_fraction
-    check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if not torch.cuda.is_available():
-        return
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in SIZES:
-        M = 2**27 // N
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check, sizes=SIZES):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         w, b = torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(N, device="cuda", dtype=torch.bfloat16)

@@ -33,11 +33,6 @@ SIZES = (1024, 4096, 8192, 16384, 32768)
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def layer_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride, eps,
                       PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # The library's rows forward for LayerNorm: sums of s = x - pilot (the row's first value).
@@ -50,7 +45,7 @@ def layer_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_
     pilot = tl.load(x_ptr + rows * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
     shifted = tl.where(mask, x - pilot[:, None], 0.0)
     if PAIR:
-        sums, squares = tl.reduce((shifted, shifted * shifted), 1, _add_pairs)
+        sums, squares = tl.reduce((shifted, shifted * shifted), 1, norm._add_pairs)
     else:
         sums = tl.sum(shifted, axis=1)
         squares = tl.sum(shifted * shifted, axis=1)
@@ -104,14 +99,8 @@ def inspect():
 
 
 def main():
-    from measure import copy_bandwidth, print_fraction
-    check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if not torch.cuda.is_available():
-        return
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in SIZES:
-        M = 2**27 // N
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check, sizes=SIZES):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w, b = torch.randn(N, device="cuda", dtype=torch.bfloat16), torch.randn(N, device="cuda", dtype=torch.bfloat16)
         cfg = norm.forward_config(N, False, False)

@@ -35,11 +35,6 @@ split = importlib.import_module("pintail._split")
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def layer_split_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N, inv_n, x_row_stride,
                        y_row_stride, eps, SLICES, LAG, VARIANT: tl.constexpr, BLOCK: tl.constexpr,
                        SLICES_POW2: tl.constexpr):
@@ -61,7 +56,7 @@ def layer_split_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr
         if row < M:
             s = tl.where(new, x_new.to(tl.float32) - first, 0.0)
             if VARIANT == 2:
-                squares, sums = tl.reduce((s * s, s), 0, _add_pairs)
+                squares, sums = tl.reduce((s * s, s), 0, norm._add_pairs)
             else:
                 squares = tl.sum(s * s, axis=0)
                 sums = tl.sum(s, axis=0)

@@ -36,8 +36,7 @@ import triton.language as tl
 
 softmax = importlib.import_module("pintail.softmax")
 split = importlib.import_module("pintail._split")
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOG2E, LN2 = softmax.LOG2E, softmax.LN2  # the library's constants (exp2 / log2 scaling)
 
 
 @triton.jit
