@@ -96,40 +96,41 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    # One row, two passes: the second re-reads the row, from L2 when the rows in flight fit.
+    # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
+    # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
+    # residual, pass 2 reads the h just stored: no hints there (not measured).
+    keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
+    drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
-    # pass 1: statistics (and h = x + residual, written once). LayerNorm's variance comes from
-    # each chunk's own mean and squared deviations, merged chunk by chunk (Chan et al.), not
-    # from E[x^2] - E[x]^2, which cancels when the mean is large against the spread; and the
-    # sums run on x - pilot (the row's first value), so that they stay small and exact.
+    # pass 1: statistics (and h = x + residual, written once). The sums run on s = x - pilot
+    # (the row's first value), small against a large mean, so that E[s^2] - E[s]^2 keeps its
+    # digits; (sum s^2, sum s) as one reduction, one round of barriers a chunk (as the split
+    # plan; Chan's chunk-by-chunk merge of deviations took two dependent rounds).
     pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
     if HAS_RESIDUAL:
         pilot += tl.load(residual_ptr + row * residual_row_stride).to(tl.float32)
-    mean = 0.0  # LayerNorm: of x - pilot
-    m2 = 0.0  # RMS: sum of x^2; LayerNorm: sum of squared deviations from the mean
+        pilot = pilot.to(h_ptr.dtype.element_ty).to(tl.float32)
+    squares = 0.0  # RMS: of x; LayerNorm: of s
+    sums = 0.0  # LayerNorm: of s
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
         if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
             x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
             h = x.to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
             x = h.to(tl.float32)
         if RMS:
-            m2 += tl.sum(x * x, axis=0)
+            squares += tl.sum(x * x, axis=0)
         else:
-            seen = start * 1.0
-            count = tl.minimum(N - start, BLOCK) * 1.0
-            shifted = tl.where(mask, x - pilot, 0.0)
-            chunk_mean = tl.sum(shifted, axis=0) / count
-            chunk_m2 = tl.sum(tl.where(mask, (shifted - chunk_mean) * (shifted - chunk_mean), 0.0), axis=0)
-            delta = chunk_mean - mean
-            mean += delta * count / (seen + count)
-            m2 += chunk_m2 + delta * delta * seen * count / (seen + count)
-    var = m2 * inv_n
-    if not RMS:
-        mean += pilot
+            s = tl.where(mask, x - pilot, 0.0)
+            chunk_squares, chunk_sums = tl.reduce((s * s, s), 0, _add_pairs)
+            squares += chunk_squares
+            sums += chunk_sums
+    shifted_mean = sums * inv_n
+    var = tl.maximum(squares * inv_n - shifted_mean * shifted_mean, 0.0)
+    mean = pilot + shifted_mean
     rstd = 1.0 / tl.sqrt(var + eps)
     if not RMS:
         tl.store(mean_ptr + row, mean)
@@ -141,8 +142,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if HAS_RESIDUAL:  # h as stored, so that forward and backward see the same rounding
             x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (x - mean) * rstd
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=drop).to(tl.float32)
+        y = (x - mean) * rstd if not RMS else x * rstd
         if HAS_WEIGHT:
             y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         if HAS_BIAS:
@@ -273,9 +274,13 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         else:
             x_hat = tl.where(mask, x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None], 0.0) * rstd
         g = dy * w_eff if HAS_WEIGHT else dy
-        dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
-        if not RMS:
-            dx -= (tl.sum(g, axis=1) * inv_n)[:, None]
+        if RMS:
+            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
+        elif BLOCK_N <= 4096:  # one reduction, one round of barriers: 0.87 of copy at 4096, 0.80 with two
+            sum_gx, sum_g = tl.reduce((g * x_hat, g), 1, _add_pairs)
+            dx = g - x_hat * (sum_gx * inv_n)[:, None] - (sum_g * inv_n)[:, None]
+        else:  # at 8192 (16 warps a row) two sums measured 0.76, one reduction 0.73
+            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None] - (tl.sum(g, axis=1) * inv_n)[:, None]
         dx *= rstd
         if HAS_DH:
             dx += tl.load(dh_ptr + rows[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -457,15 +462,22 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 # ------------------------------------------------------------------ launch heuristics
 # Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
 # warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
-# the long plan (the forward: the split plan past FORWARD_LONG_UP_TO). Measured on the H200
+# the long plan (the forward: the split plan past FORWARD_LONG). Measured on the H200
 # (scripts/tune_norm.py, docs/perf-notes.md).
+# RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
+# (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
-                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8), (32768, 32768, 32)]}
+                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8)]}
+FORWARD_ROWS["rms+residual"] = FORWARD_ROWS["rms"] + [(32768, 32768, 32)]
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
-FORWARD_LONG = {"plan": "long", "BLOCK": 16384, "num_warps": 16}
-# Past FORWARD_LONG_UP_TO the two passes' second read misses L2 and the split plan wins.
-FORWARD_LONG_UP_TO = 32768
+# The long plan per kind: (row length up to, chunk, warps), with eviction hints (kernel
+# alone, H200, bf16; scripts/tune_norm.py). RMSNorm 0.86 / 0.90 / 0.90 at N = 20000 / 24576 /
+# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.76 / 0.79 / 0.80, where its
+# rows plan (a 32768-wide tile) gave 0.57 / 0.66 / 0.77. 16384-element chunks lose where the
+# second is mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past the last entry the
+# second read misses L2 and the split plan wins.
+FORWARD_LONG = {"rms": [(24576, 8192, 16), (32768, 16384, 16)], "layer": [(24576, 8192, 8), (32768, 16384, 16)]}
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -481,6 +493,12 @@ BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_S
 # 0.56 at N = 32768-262144, scripts/exp_norm_blocks_backward.py). LayerNorm keeps the long
 # plan: its blocks kernel (two sums a row, the mean) measured 0.42-0.49 at 168-176 registers.
 BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 4}}
+# With the residual's gradient dh (a third read; 166 registers at 2048 / 4 warps, so 3
+# programs per SM where 4 are counted), longer slices on fewer programs past 65536 (kernel
+# alone, H200, bf16): 0.70 at 131072 (4096 / 8 warps, 2 per SM; 0.39 at 262144) and 0.66 at
+# 262144 (8192 / 16 warps, 1 per SM), against 0.53 for the config above; at 65536 that one
+# stays best (0.73 against 0.71 / 0.66). (row length up to, slice, warps, programs per SM).
+BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (None, 8192, 16, 1)]
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -491,22 +509,28 @@ def _kind(rms):
 
 
 def forward_config(N, rms, residual=False):
-    for limit, tile, warps in FORWARD_ROWS[_kind(rms)]:
+    kind = _kind(rms) + ("+residual" if residual else "")
+    for limit, tile, warps in FORWARD_ROWS[kind]:
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    if N <= FORWARD_LONG_UP_TO:
-        return FORWARD_LONG
-    return FORWARD_SPLIT[_kind(rms) + ("+residual" if residual else "")]
+    for limit, block, warps in FORWARD_LONG.get(kind, FORWARD_LONG[_kind(rms)]):
+        if N <= limit:
+            return {"plan": "long", "BLOCK": block, "num_warps": warps}
+    return FORWARD_SPLIT[kind]
 
 
-def backward_config(N, rms):
+def backward_config(N, rms, dh=False):
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
-    return BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
+    cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
+    if cfg["plan"] == "blocks" and dh:
+        block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if entry[0] is None or N <= entry[0])
+        cfg = {**cfg, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+    return cfg
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -567,7 +591,7 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
             raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
                              f"expected ({M}, {N}) rows with unit feature stride")
-    cfg = config or backward_config(N, rms)
+    cfg = config or backward_config(N, rms, dh is not None)
     if cfg["plan"] == "blocks":
         # The interpreter runs one program at a time, which cannot meet another: a slice per row.
         block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)

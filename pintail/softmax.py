@@ -233,8 +233,10 @@ FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_S
 # log_softmax): softmax 0.78 / 0.90 / 0.85 at N = 16400 / 24576 / 32768 at 8 warps;
 # log_softmax 0.91 / 0.86 at 24576 / 32768 at 16 warps, where its 8 warps (48 registers,
 # 5 programs per SM where softmax's 54 fit 4) fell to 0.79 at 32768: likely more rows in
-# flight than L2 keeps (5 x 132 x 64 KB = 43 MB). At 65536 two passes (16384 / 16 warps)
-# and the split plan are level (0.81-0.83 / 0.80); at 131072 two passes fall to 0.65.
+# flight than L2 keeps (5 x 132 x 64 KB = 43 MB). Past 32768, two passes of 16384 / 16 warps
+# beat the split plan only where the row is whole chunks (softmax / log_softmax 0.83 / 0.85
+# against 0.79 / 0.81 at 49152, 0.80-0.81 / 0.82-0.83 against 0.79-0.80 / 0.81 at 65536) and
+# lose where it is not (0.73 / 0.77 against 0.78 / 0.80 at 40000); at 131072 they fall to 0.65.
 # The gain needs the rows in flight to stay in L2 between the passes, so the limit is in
 # bytes a row: float32 rows past the rows plan (16385+ elements, 64 KB+) take the split plan
 # (not measured in float32).

@@ -4,7 +4,7 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
-#   bash scripts/device_run.sh experiments         # the next steps of docs/perf-notes.md: the norms' long forward
+#   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md: the norms' long forward
 #                                                  # with eviction hints, softmax's (max, sum) and LayerNorm's
 #                                                  # (sum s, sum s^2) as one reduction each,
 #                                                  # softmax's two passes at 49152-65536,
@@ -33,7 +33,8 @@ case $mode in
                "exp_layer_backward_pair_sum.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
                "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536 --log"
                "tune_norm.py --out $OUT --residual --directions bwd --sizes 65536,131072,262144")
-        for i in "${!steps[@]}"; do
+        picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
+        for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
             echo "== ${steps[$i]} (exit $?)"; grep -v "^ " "$OUT/step$i.log" | tail -40
         done ;;

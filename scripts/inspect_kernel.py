@@ -93,7 +93,7 @@ def main():
     for rms in (True, False):
         flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
         for N in (1024, 4096, 8192, 16384, 32768):
-            cfg = norm.forward_config(N, rms)
+            cfg = norm.forward_config(N, rms, residual=rms)
             if cfg["plan"] != "rows":
                 continue
             inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
@@ -103,8 +103,10 @@ def main():
             inspect(norm._backward_rows_kernel, signature(norm._backward_rows_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "BLOCK_M": cfg["BLOCK_M"],
                      "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
-        inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
-                {**flags, "BLOCK": norm.FORWARD_LONG["BLOCK"]}, norm.FORWARD_LONG["num_warps"])
+        for N in (24576, 32768):  # without the residual (with it, rows this long stay in registers)
+            cfg = norm.forward_config(N, rms)
+            inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
+                    {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
         split_cfg = norm.forward_config(262144, rms, residual=rms)
         inspect(norm._forward_split_kernel, signature(norm._forward_split_kernel),
                 {**flags, "BLOCK": split_cfg["BLOCK"], "SLICES_POW2": 32}, split_cfg["num_warps"])

@@ -18,18 +18,20 @@ def plan(request, monkeypatch):
     plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
     LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
-        monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "rms+residual": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
-        monkeypatch.setattr(norm_module, "FORWARD_LONG", {**norm_module.FORWARD_LONG, "BLOCK": LONG_BLOCK})
+        monkeypatch.setattr(norm_module, "FORWARD_LONG", {kind: [(limit, LONG_BLOCK, warps) for limit, _, warps in table]
+                                                          for kind, table in norm_module.FORWARD_LONG.items()})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
     if request.param == "long":
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {})
     if request.param == "split":
-        monkeypatch.setattr(norm_module, "FORWARD_LONG_UP_TO", 0)
+        monkeypatch.setattr(norm_module, "FORWARD_LONG", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {"rms": {**norm_module.BACKWARD_BLOCKS["rms"], "ROWS": 3,
                                                                      "BLOCK": LONG_BLOCK}})
+        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(None, LONG_BLOCK, 4, 4)])
     return request.param
 
 
@@ -105,7 +107,7 @@ def test_rows(kind, dtype, N, affine, plan, device):
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
-@pytest.mark.parametrize("N", [16385, 32768, 40000])
+@pytest.mark.parametrize("N", [16385, 24577, 32768, 40000])
 def test_wide_rows(kind, N, device):
     """The default plans at the widths where they change: the widest rows in registers, and past them."""
     x = torch.randn(3, N, device=device, dtype=torch.bfloat16)
@@ -234,7 +236,7 @@ def test_many_chunks_per_row(kind, device):
     x, w, b = torch.randn(M, N, device=device), torch.randn(N, device=device), torch.randn(N, device=device)
     rms = kind == "rms"
     y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, rms, torch.float32,
-                                            {**norm_module.FORWARD_LONG, "BLOCK": 64})
+                                            {"plan": "long", "BLOCK": 64, "num_warps": 4})
     dy = torch.randn(M, N, device=device)
     grads = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, rms, torch.float32,
                                   {**norm_module.BACKWARD_LONG, "BLOCK": 64})
