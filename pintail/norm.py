@@ -70,17 +70,10 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         centred = x
         var = tl.sum(x * x, axis=1) * inv_n
     else:
-        # Sums of s = x - pilot (the row's first value), small against a large mean, so that
-        # the variance E[s^2] - E[s]^2 keeps its digits. The two sums are independent, where
-        # the mean-then-deviations order made the second wait for the first (that version
-        # measured 0.74-0.78 of copy at N = 4096-32768 on the H200, against 0.95 for
-        # RMSNorm's one sum). They still compile to two rounds of barriers (5 BAR.SYNC; one
-        # tuple reduction: 2), to be timed: scripts/exp_layer_rows_pair_sum.py.
-        shifted = tl.where(mask, x - pilot[:, None], 0.0)
-        shifted_mean = tl.sum(shifted, axis=1) * inv_n
-        var = tl.maximum(tl.sum(shifted * shifted, axis=1) * inv_n - shifted_mean * shifted_mean, 0.0)
-        centred = shifted - shifted_mean[:, None]
-        tl.store(mean_ptr + rows, pilot + shifted_mean, mask=row_mask)
+        squares, sums = _shifted_sums(x, pilot[:, None], mask, 1)
+        mean, var = _mean_and_variance(squares, sums, pilot, N)
+        centred = x - mean[:, None]
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = centred * rstd[:, None]
@@ -102,16 +95,14 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
-    # pass 1: statistics (and h = x + residual, written once). The sums run on s = x - pilot
-    # (the row's first value), small against a large mean, so that E[s^2] - E[s]^2 keeps its
-    # digits; (sum s^2, sum s) as one reduction, one round of barriers a chunk (as the split
-    # plan; Chan's chunk-by-chunk merge of deviations took two dependent rounds).
+    # pass 1: statistics (and h = x + residual, written once); LayerNorm's as in the rows
+    # plan (_shifted_sums), chunk by chunk.
     pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
     if HAS_RESIDUAL:
         pilot += tl.load(residual_ptr + row * residual_row_stride).to(tl.float32)
         pilot = pilot.to(h_ptr.dtype.element_ty).to(tl.float32)
-    squares = 0.0  # RMS: of x; LayerNorm: of s
-    sums = 0.0  # LayerNorm: of s
+    squares = tl.zeros((), tl.float64)  # RMS: of x; LayerNorm: of x - pilot
+    sums = tl.zeros((), tl.float64)  # LayerNorm: of x - pilot
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
@@ -124,13 +115,10 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if RMS:
             squares += tl.sum(x * x, axis=0)
         else:
-            s = tl.where(mask, x - pilot, 0.0)
-            chunk_squares, chunk_sums = tl.reduce((s * s, s), 0, _add_pairs)
+            chunk_squares, chunk_sums = _shifted_sums(x, pilot, mask, 0)
             squares += chunk_squares
             sums += chunk_sums
-    shifted_mean = sums * inv_n
-    var = tl.maximum(squares * inv_n - shifted_mean * shifted_mean, 0.0)
-    mean = pilot + shifted_mean
+    mean, var = _mean_and_variance(squares, sums, pilot, N)
     rstd = 1.0 / tl.sqrt(var + eps)
     if not RMS:
         tl.store(mean_ptr + row, mean)
@@ -168,14 +156,37 @@ def _add_pairs(a0, a1, b0, b1):
 
 
 @triton.jit
+def _shifted_sums(x, pilot, mask, axis: tl.constexpr):
+    """LayerNorm's (sum s^2, sum s) of s = x - pilot (the row's first value) over `axis`, in
+    float64, as one reduction (one round of barriers; two sums took two). The shift keeps a
+    large mean from swamping the spread, but E[s^2] - E[s]^2 still cancels when the values
+    sit far from the pilot against their spread (a first value that stands out): up to
+    about N float32 ulps of the variance in float32 sums, ~1e-9 of it in float64."""
+    s = tl.where(mask, x.to(tl.float64) - pilot.to(tl.float64), 0.0)
+    return tl.reduce((s * s, s), axis, _add_pairs)
+
+
+@triton.jit
+def _mean_and_variance(squares, sums, pilot, N):
+    """The float32 mean and (biased) variance of a row from its float64 shifted sums. The
+    division by N in float64 too: 1 / N rounded to float32 (a relative error d) would put
+    d * mean(s)^2 into the variance, the very cancellation the float64 sums avoid."""
+    n = tl.zeros((), tl.float64) + N  # N may arrive as a constexpr (Triton specialises 1)
+    shifted_mean = sums / n
+    var = tl.maximum(squares / n - shifted_mean * shifted_mean, 0.0)
+    return (pilot.to(tl.float64) + shifted_mean).to(tl.float32), var.to(tl.float32)
+
+
+@triton.jit
 def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N,
                           inv_n, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                           SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # Ticket-ordered slices (pintail/_split.py). Each slice publishes, RMS: (sum x^2, 1.0);
-    # LayerNorm: (sum s^2, sum s) of s = x - pilot (the row's first value, as in the rows
-    # plan), the first with its lowest mantissa bit set so that the word is never 0 (it adds
-    # one ulp, or 1.4e-45 to a zero). The lagged write recomputes h = x + residual from its
+    # LayerNorm: (sum of squared deviations from the slice's own mean, sum s) of s = x - pilot
+    # (the row's first value, as in the rows plan), from float64 sums; the first with its
+    # lowest mantissa bit set so that the word is never 0 (it adds one ulp, or 1.4e-45 to a
+    # zero). The waiter merges them (Chan et al.): a sum of squares that cannot cancel. The lagged write recomputes h = x + residual from its
     # inputs (from L2) rather than re-reading the h just stored by another program, which
     # would need a release / acquire pair to be visible.
     end = (M + LAG) * SLICES
@@ -205,19 +216,21 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 x32 = x_new.to(tl.float32)
                 split.publish(slots_ptr, ticket, tl.sum(x32 * x32, axis=0), tl.full((), 1.0, tl.float32))
             else:
-                s = tl.where(new, x_new.to(tl.float32) - first, 0.0)
-                squares, sums = tl.reduce((s * s, s), 0, _add_pairs)  # one pass over the warps, not two
-                squares = (squares.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
-                split.publish(slots_ptr, ticket, squares, sums)
+                squares, sums = _shifted_sums(x_new.to(tl.float32), first, new, 0)
+                count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK).to(tl.float64)
+                deviations = tl.maximum(squares - sums * sums / count, 0.0).to(tl.float32)
+                deviations = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                split.publish(slots_ptr, ticket, deviations, sums.to(tl.float32))
         if done >= 0:
             squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             if RMS:
                 centred = x_old.to(tl.float32)
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
-            else:
+            else:  # squares: each slice's squared deviations from its own mean
+                counts = tl.maximum(tl.minimum(N - tl.arange(0, SLICES_POW2) * BLOCK, BLOCK), 1).to(tl.float32)
                 shifted_mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
-                var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n - shifted_mean * shifted_mean
-                var = tl.maximum(var, 0.0)
+                between = tl.where(valid, sums / counts - shifted_mean, 0.0)
+                var = tl.sum(tl.where(valid, squares, 0.0) + counts * between * between, axis=0) * inv_n
                 centred = (x_old.to(tl.float32) - pilot) - shifted_mean
                 tl.store(mean_ptr + done, pilot + shifted_mean, mask=ticket % SLICES == 0)
             rstd = 1.0 / tl.sqrt(var + eps)

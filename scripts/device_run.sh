@@ -4,11 +4,9 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
-#   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md: the norms' long forward
-#                                                  # with eviction hints, softmax's (max, sum) and LayerNorm's
-#                                                  # (sum s, sum s^2) as one reduction each,
-#                                                  # softmax's two passes at 49152-65536,
-#                                                  # the residual's blocks backward at 3 per SM (~4 min?)
+#   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
+#                                                  # LayerNorm's statistics exact and fast (four forms), and the
+#                                                  # library's LayerNorm forward alone at every size (~2 min?)
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
@@ -29,14 +27,12 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
-        steps=("exp_norm_long_hints.py" "exp_softmax_pair_reduce.py" "exp_layer_rows_pair_sum.py"
-               "exp_layer_backward_pair_sum.py" "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536"
-               "tune_softmax.py --out $OUT --directions fwd --sizes 49152,65536 --log"
-               "tune_norm.py --out $OUT --residual --directions bwd --sizes 65536,131072,262144")
+        steps=("exp_layer_stats.py"
+               "tune_norm.py --out $OUT --layer --directions fwd --default-only --sizes 1024,4096,8192,16384,24576,32768,65536,262144")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
-            echo "== ${steps[$i]} (exit $?)"; grep -v "^ " "$OUT/step$i.log" | tail -40
+            echo "== ${steps[$i]} (exit $?)"; grep -v "^ " "$OUT/step$i.log" | tail -120
         done ;;
     profile)  # Nsight Compute on one launch per case (scripts/profile_kernel.py); reports in $OUT
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

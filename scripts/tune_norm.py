@@ -2,7 +2,7 @@
 weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
-    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
+    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual] [--default-only]
 """
 
 import argparse
@@ -62,6 +62,7 @@ def main():
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
     p.add_argument("--residual", action="store_true",
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
+    p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     args = p.parse_args()
     rms = not args.layer
     copy_bw = copy_bandwidth()
@@ -81,7 +82,7 @@ def main():
             dh = residual if args.residual else None  # the backward's extra read (any values do)
             # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
             nbytes = M * N * 2 * ((4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3))
-            for cfg in configs(direction, N, rms):
+            for cfg in [default] if args.default_only else configs(direction, N, rms):
                 if direction == "fwd":
                     fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:

@@ -358,3 +358,13 @@ def test_layer_norm_of_rows_with_a_large_mean(N, plan, device):
     error and ours vary from draw to draw: the bar is 4x torch's error, not 2x."""
     x = torch.randn(4, N, device=device) * 0.1 + 1000.0
     check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
+
+
+@pytest.mark.parametrize("N", [3000, 4097])
+def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
+    """The sums run on x - x[0]: a first value 1000 from the rest (spread 1) makes them large,
+    and E[s^2] - E[s]^2 cancels. The outlier is in the variance too (1000^2 / N of it), which
+    bounds what the cancellation costs: about N float32 ulps of the variance."""
+    x = torch.randn(4, N, device=device)
+    x[:, 0] = 1000.0
+    check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
