@@ -368,3 +368,21 @@ def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
     x = torch.randn(4, N, device=device)
     x[:, 0] = 1000.0
     check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
+
+
+def test_long_rows_plans():
+    """The launch tables at the widths where they change (measured on the H200): the long
+    forward's chunk, RMSNorm with a residual in registers to 32768, and the longer slices
+    of the backward with the residual's gradient past 65536."""
+    def plan(cfg):
+        return cfg["plan"], cfg.get("BLOCK", cfg.get("BLOCK_N"))
+    for rms in (True, False):
+        assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
+        assert plan(norm_module.forward_config(24577, rms)) == ("long", 16384)
+        assert plan(norm_module.forward_config(32769, rms))[0] == "split"
+    assert plan(norm_module.forward_config(32768, True, residual=True)) == ("rows", 32768)
+    assert plan(norm_module.forward_config(32769, True, residual=True))[0] == "split"
+    assert plan(norm_module.backward_config(65536, True, dh=True)) == ("blocks", 2048)
+    assert plan(norm_module.backward_config(131072, True, dh=True)) == ("blocks", 4096)
+    assert plan(norm_module.backward_config(262144, True, dh=True)) == ("blocks", 8192)
+    assert plan(norm_module.backward_config(262144, True)) == ("blocks", 2048)
