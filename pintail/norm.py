@@ -186,9 +186,10 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
     # LayerNorm: (sum of squared deviations from the slice's own mean, sum s) of s = x - pilot
     # (the row's first value, as in the rows plan), from float64 sums; the first with its
     # lowest mantissa bit set so that the word is never 0 (it adds one ulp, or 1.4e-45 to a
-    # zero). The waiter merges them (Chan et al.): a sum of squares that cannot cancel. The lagged write recomputes h = x + residual from its
-    # inputs (from L2) rather than re-reading the h just stored by another program, which
-    # would need a release / acquire pair to be visible.
+    # zero). The waiter merges them (Chan et al.): a sum of squares that cannot cancel. The
+    # lagged write recomputes h = x + residual from its inputs (from L2) rather than
+    # re-reading the h just stored by another program, which would need a release / acquire
+    # pair to be visible.
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -486,8 +487,9 @@ BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 # The long plan per kind: (row length up to, chunk, warps), with eviction hints (kernel
 # alone, H200, bf16; scripts/tune_norm.py). RMSNorm 0.86 / 0.90 / 0.90 at N = 20000 / 24576 /
-# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.76 / 0.79 / 0.80, where its
-# rows plan (a 32768-wide tile) gave 0.57 / 0.66 / 0.77. 16384-element chunks lose where the
+# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.76 / 0.79 / 0.80 with
+# float32 statistics (0.75 / 0.72 at 24576 / 32768 with the float64 ones), where its rows
+# plan (a 32768-wide tile, float32) gave 0.57 / 0.66 / 0.77. 16384-element chunks lose where the
 # second is mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past the last entry the
 # second read misses L2 and the split plan wins.
 FORWARD_LONG = {"rms": [(24576, 8192, 16), (32768, 16384, 16)], "layer": [(24576, 8192, 8), (32768, 16384, 16)]}

@@ -2,7 +2,8 @@
 weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
-    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual] [--default-only]
+    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
+                                [--default-only]
 """
 
 import argparse

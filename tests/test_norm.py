@@ -20,8 +20,9 @@ def plan(request, monkeypatch):
     if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "rms+residual": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
-        monkeypatch.setattr(norm_module, "FORWARD_LONG", {kind: [(limit, LONG_BLOCK, warps) for limit, _, warps in table]
-                                                          for kind, table in norm_module.FORWARD_LONG.items()})
+        short_chunks = {kind: [(limit, LONG_BLOCK, warps) for limit, _, warps in table]
+                        for kind, table in norm_module.FORWARD_LONG.items()}
+        monkeypatch.setattr(norm_module, "FORWARD_LONG", short_chunks)
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
