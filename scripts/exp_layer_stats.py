@@ -15,14 +15,18 @@ Variants of the library's rows forward for LayerNorm (weight and bias), STATS (c
      variance again from the registers, from the deviations d = s - mean (sum d, sum d^2:
      the corrected two-pass form): a second round for those tiles only
   3  two rounds always: the mean, then the deviations as in 2
-The check (CPU interpreter or GPU) runs each against float64 torch on rows of unit normals,
-rows of mean 1000 and spread 0.1, and rows whose first value is 1000: 1-3 must be as close
-as torch, 0 is printed for its error. The GPU run times them at the library's rows configs
-(N = 1024-16384; 2 and 3 also at twice the warps: they hold s and d, 150-180 registers at
-4096 / 16384 where 0 and 1 take ~100-128), alternating, twice, on rows of unit normals and
-(worst case for 2) rows whose first value stands out. Predicted: 2 within 0.01 of 0 on normal rows, 3 between 1 and
-0. If 2 holds that: it goes into the rows and split plans (the split plan's slices in
-registers the same way) and the long plan (a third pass over the flagged row, from L2).
+  4  as 2, the deviations from x reloaded (L1 / L2) in 1024-column pieces, so that the rare
+     branch's temporaries are a piece's, not a second tile's (sm_90 registers: 2 takes 163 /
+     175 at 4096 / 16384 where 0 and 1 take 96-128; 4 takes 108 at 4096 but 222 at 16384)
+The check (CPU interpreter or GPU, seeded) runs each against float64 torch on rows of unit
+normals, rows of mean 1000 and spread 0.1, and rows whose first value is 1000, and prints
+each one's largest error over torch's own float32 error: 1 and 3 must stay within twice
+torch's or 1e-5 of the output, 2 and 4 within 1e-4 of it (the rows they do not flag keep
+float32 sums' error), 0 is not judged. The GPU run times them at the library's rows configs
+(N = 1024-16384; 2 and 3 also at twice the warps), alternating, twice, on rows of unit
+normals and (the worst case for 2 and 4) rows whose first value stands out. Predicted: 2
+within 0.01 of 0 on normal rows if its registers allow, 3 between 1 and 0. What to take
+weighs speed against the accuracy the check prints (docs/perf-notes.md, item 1).
 
     TRITON_INTERPRET=1 python scripts/exp_layer_stats.py   # the check, CPU
     python scripts/exp_layer_stats.py --inspect             # registers and barriers, sm_90, CPU
@@ -39,7 +43,8 @@ import triton.language as tl
 
 norm = importlib.import_module("pintail.norm")
 SIZES = (1024, 4096, 8192, 16384)
-NAMES = {0: "float32 sums", 1: "float64 sums", 2: "float32, exact where flagged", 3: "two rounds"}
+NAMES = {0: "float32 sums", 1: "float64 sums", 2: "float32, exact where flagged", 3: "two rounds",
+         4: "float32, exact where flagged, x reloaded"}
 
 
 @triton.jit
@@ -55,7 +60,7 @@ def deviations(s, mean, mask, inv_n):
 
 @triton.jit
 def layer_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride, eps,
-                      STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -76,12 +81,29 @@ def layer_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_
             squares, sums = tl.reduce((s * s, s), 1, norm._add_pairs)
             shifted_mean = sums * inv_n
             var = tl.maximum(squares * inv_n - shifted_mean * shifted_mean, 0.0)
-            if STATS == 2:
-                flagged = squares * inv_n > 8.0 * var
-                if tl.max(flagged.to(tl.int32), axis=0) > 0:
-                    exact_mean, exact_var = deviations(s, shifted_mean, mask, inv_n)
-                    shifted_mean = tl.where(flagged, exact_mean, shifted_mean)
-                    var = tl.where(flagged, exact_var, var)
+            flagged = squares * inv_n > 8.0 * var
+            if STATS == 2 and tl.max(flagged.to(tl.int32), axis=0) > 0:
+                exact_mean, exact_var = deviations(s, shifted_mean, mask, inv_n)
+                shifted_mean = tl.where(flagged, exact_mean, shifted_mean)
+                var = tl.where(flagged, exact_var, var)
+            if STATS == 4 and tl.max(flagged.to(tl.int32), axis=0) > 0:
+                # the deviations from x reloaded (L1 / L2) in 1024-column pieces: temporaries
+                # of a piece, not of the tile, live beside s
+                dev_squares = tl.zeros([BLOCK_M], tl.float32)
+                dev_sums = tl.zeros([BLOCK_M], tl.float32)
+                for start in tl.range(0, N, PIECE, loop_unroll_factor=1):  # not unrolled
+                    piece = start + tl.arange(0, PIECE)
+                    piece_mask = row_mask[:, None] & (piece < N)[None, :]
+                    xp = tl.load(x_ptr + rows[:, None] * x_row_stride + piece[None, :], mask=piece_mask,
+                                 other=0.0).to(tl.float32)
+                    d = tl.where(piece_mask, (xp - pilot[:, None]) - shifted_mean[:, None], 0.0)
+                    piece_squares, piece_sums = tl.reduce((d * d, d), 1, norm._add_pairs)
+                    dev_squares += piece_squares
+                    dev_sums += piece_sums
+                correction = dev_sums * inv_n
+                exact_var = tl.maximum(dev_squares * inv_n - correction * correction, 0.0)
+                shifted_mean = tl.where(flagged, shifted_mean + correction, shifted_mean)
+                var = tl.where(flagged, exact_var, var)
         mean = pilot + shifted_mean
         centred = s - shifted_mean[:, None]
     tl.store(mean_ptr + rows, mean, mask=row_mask)
@@ -100,7 +122,8 @@ def forward(x, w, b, stats, cfg, eps=1e-5):
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     layer_rows_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](x, w, b, y, mean, rstd, M, N, 1.0 / N, x.stride(0),
                                                         y.stride(0), eps, STATS=stats, BLOCK_M=cfg["BLOCK_M"],
-                                                        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+                                                        BLOCK_N=cfg["BLOCK_N"], PIECE=min(cfg["BLOCK_N"], 1024),
+                                                        num_warps=cfg["num_warps"])
     return y, mean, rstd
 
 
@@ -114,24 +137,31 @@ def rows_of(kind, M, N, device, dtype=torch.float32):
 
 
 def check(device):
-    """Every variant against float64 torch; 1-3 within twice torch's own float32 error (or
-    1e-5 of the output's scale)."""
+    """Every variant against float64 torch, as the largest output error over torch's own
+    float32 error per kind of row (seeded draws). The exact forms (1, 3) must stay within
+    twice torch's (or 1e-5 of the output's scale); the flagged ones (2, 4) keep float32
+    sums' error on the rows they do not flag (up to 8x that rounding: ~1e-5 of the output)
+    and must stay within 1e-4 of the output's scale; 0 is printed, not judged."""
+    torch.manual_seed(0)
     for kind in ("normal", "mean 1000", "first stands out"):
+        worst = dict.fromkeys(NAMES, 0.0)
         for M, N, block_m in ((5, 3000, 2), (3, 64, 4), (7, 130, 1)):
             x = rows_of(kind, M, N, device)
             w, b = torch.randn(N, device=device), torch.randn(N, device=device)
             truth = F.layer_norm(x.double(), (N,), w.double(), b.double(), 1e-5)
             torch_err = (F.layer_norm(x, (N,), w, b, 1e-5).double() - truth).abs().max().item()
+            scale = truth.abs().max().item()
             cfg = {"plan": "rows", "BLOCK_M": block_m, "BLOCK_N": triton.next_power_of_2(N), "num_warps": 4}
             for stats in NAMES:
                 err = (forward(x, w, b, stats, cfg)[0].double() - truth).abs().max().item()
-                ok = err <= max(2 * torch_err, 1e-5 * truth.abs().max().item())
-                if stats and not ok:
+                worst[stats] = max(worst[stats], err / max(torch_err, 1e-12))
+                bound = max(2 * torch_err, 1e-5 * scale) if stats in (1, 3) else 1e-4 * scale
+                if stats and err > bound:
                     raise AssertionError(f"{NAMES[stats]}, {kind} rows ({M}, {N}): error {err:.3g}, "
                                          f"torch's {torch_err:.3g}")
-                if stats == 0 and N == 3000:
-                    print(f"{NAMES[0]}, {kind} rows: error {err:.3g} (torch {torch_err:.3g})", flush=True)
-    print(f"variants 1-3 as close as torch on every kind of row ({device})", flush=True)
+        print(f"{kind} rows, error over torch's: " + ", ".join(f"{stats}: {r:.3g}" for stats, r in worst.items()),
+              flush=True)
+    print(f"variants 1-4 within their bounds ({device})", flush=True)
 
 
 def inspect():
@@ -141,7 +171,8 @@ def inspect():
         cfg = norm.forward_config(N, False, False)
         for stats in NAMES:
             inspect_kernel.inspect(layer_rows_kernel, inspect_kernel.signature(layer_rows_kernel),
-                                   {"STATS": stats, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
+                                   {"STATS": stats, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
+                                    "PIECE": min(cfg["BLOCK_N"], 1024)},
                                    cfg["num_warps"])
 
 
