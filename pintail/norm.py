@@ -29,6 +29,8 @@ Means divide by multiplying with 1/N from the host: Triton's float32 division is
 and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -513,7 +515,7 @@ BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_war
 # alone, H200, bf16): 0.70 at 131072 (4096 / 8 warps, 2 per SM; 0.39 at 262144) and 0.66 at
 # 262144 (8192 / 16 warps, 1 per SM), against 0.53 for the config above; at 65536 that one
 # stays best (0.73 against 0.71 / 0.66). (row length up to, slice, warps, programs per SM).
-BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (None, 8192, 16, 1)]
+BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf, 8192, 16, 1)]
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -543,7 +545,7 @@ def backward_config(N, rms, dh=False):
                     "PROGRAMS_PER_SM": per_sm}
     cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
     if cfg["plan"] == "blocks" and dh:
-        block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if entry[0] is None or N <= entry[0])
+        block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if N <= entry[0])
         cfg = {**cfg, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
     return cfg
 

@@ -1,4 +1,5 @@
 import importlib
+import math
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "FORWARD_LONG", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {"rms": {**norm_module.BACKWARD_BLOCKS["rms"], "ROWS": 3,
                                                                      "BLOCK": LONG_BLOCK}})
-        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(None, LONG_BLOCK, 4, 4)])
+        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(math.inf, LONG_BLOCK, 4, 4)])
     return request.param
 
 
