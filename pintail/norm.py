@@ -57,11 +57,8 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     mask = row_mask[:, None] & (cols < N)[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if not RMS:  # the row's first value (its h with a residual), from L1: the pilot below
+    if not RMS:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
         pilot = tl.load(x_ptr + rows * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            pilot += tl.load(residual_ptr + rows * residual_row_stride, mask=row_mask, other=0.0).to(tl.float32)
-            pilot = pilot.to(h_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
         x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
                      other=0.0).to(tl.float32)
@@ -73,7 +70,13 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         var = tl.sum(x * x, axis=1) * inv_n
     else:
         squares, sums = _shifted_sums(x, pilot[:, None], mask, 1)
-        mean, var = _mean_and_variance(squares, sums, pilot, N)
+        shifted_mean, var, flagged = _moments(squares, sums, inv_n)
+        mean = pilot + shifted_mean
+        if tl.max(flagged.to(tl.int32), axis=0) > 0:  # rare: the deviations, from the registers
+            deviations, drift = _deviation_sums(x, mean[:, None], mask, 1)
+            exact_mean, exact_var = _corrected(mean, deviations, drift, inv_n)
+            mean = tl.where(flagged, exact_mean, mean)
+            var = tl.where(flagged, exact_var, var)
         centred = x - mean[:, None]
         tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(var + eps)
@@ -98,13 +101,11 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
     # pass 1: statistics (and h = x + residual, written once); LayerNorm's as in the rows
-    # plan (_shifted_sums), chunk by chunk.
-    pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)
-    if HAS_RESIDUAL:
-        pilot += tl.load(residual_ptr + row * residual_row_stride).to(tl.float32)
-        pilot = pilot.to(h_ptr.dtype.element_ty).to(tl.float32)
-    squares = tl.zeros((), tl.float64)  # RMS: of x; LayerNorm: of x - pilot
-    sums = tl.zeros((), tl.float64)  # LayerNorm: of x - pilot
+    # plan (_shifted_sums), chunk by chunk, and for a flagged row (_moments) a pass more
+    # over the chunks, from L2.
+    pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)  # LayerNorm's (which takes no residual)
+    squares = 0.0  # RMS: of x; LayerNorm: of s = x - pilot
+    sums = 0.0  # LayerNorm: of s
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
@@ -120,7 +121,19 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             chunk_squares, chunk_sums = _shifted_sums(x, pilot, mask, 0)
             squares += chunk_squares
             sums += chunk_sums
-    mean, var = _mean_and_variance(squares, sums, pilot, N)
+    shifted_mean, var, flagged = _moments(squares, sums, inv_n)
+    mean = pilot + shifted_mean
+    if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
+        deviations = 0.0
+        drift = 0.0
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
+            chunk_deviations, chunk_drift = _deviation_sums(x, mean, mask, 0)
+            deviations += chunk_deviations
+            drift += chunk_drift
+        mean, var = _corrected(mean, deviations, drift, inv_n)
     rstd = 1.0 / tl.sqrt(var + eps)
     if not RMS:
         tl.store(mean_ptr + row, mean)
@@ -157,26 +170,58 @@ def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _pair_sums(a, b, axis: tl.constexpr):
+    """(sum a, sum b) over `axis` as one reduction: one round of barriers on the GPU, where
+    two sums take two. The interpreter runs a reduction with its own combine as a Python
+    loop in element order (float32 error ~N ulps, where the GPU's tree has ~log N; and
+    slow), so there the pair is two tl.sum, numpy's pairwise sums, as accurate as the tree."""
+    if _INTERPRETED:
+        return tl.sum(a, axis), tl.sum(b, axis)
+    else:
+        return tl.reduce((a, b), axis, _add_pairs)
+
+
 @triton.jit
 def _shifted_sums(x, pilot, mask, axis: tl.constexpr):
-    """LayerNorm's (sum s^2, sum s) of s = x - pilot (the row's first value) over `axis`, in
-    float64, as one reduction (one round of barriers; two sums took two). The shift keeps a
-    large mean from swamping the spread, but E[s^2] - E[s]^2 still cancels when the values
-    sit far from the pilot against their spread (a first value that stands out): up to
-    about N float32 ulps of the variance in float32 sums, ~1e-9 of it in float64."""
-    s = tl.where(mask, x.to(tl.float64) - pilot.to(tl.float64), 0.0)
-    return tl.reduce((s * s, s), axis, _add_pairs)
+    """LayerNorm's float32 (sum s^2, sum s) of s = x - pilot (the row's first value, a shift
+    that keeps a large mean from swamping the spread) over `axis`, as one reduction (one
+    round of barriers; two sums took two). E[s^2] - E[s]^2 still cancels when the values
+    sit far from the pilot against their spread (a first value that stands out): _moments
+    flags those rows. The output centres x itself, x - mean: s rounds at the scale of
+    x - pilot, which for those rows is the outlier's."""
+    s = tl.where(mask, x - pilot, 0.0)
+    return _pair_sums(s * s, s, axis)
 
 
 @triton.jit
-def _mean_and_variance(squares, sums, pilot, N):
-    """The float32 mean and (biased) variance of a row from its float64 shifted sums. The
-    division by N in float64 too: 1 / N rounded to float32 (a relative error d) would put
-    d * mean(s)^2 into the variance, the very cancellation the float64 sums avoid."""
-    n = tl.zeros((), tl.float64) + N  # N may arrive as a constexpr (Triton specialises 1)
-    shifted_mean = sums / n
-    var = tl.maximum(squares / n - shifted_mean * shifted_mean, 0.0)
-    return (pilot.to(tl.float64) + shifted_mean).to(tl.float32), var.to(tl.float32)
+def _moments(squares, sums, inv_count):
+    """(mean, biased variance) of s from its sums, and whether E[s^2] - E[s]^2 cancelled
+    past 3 bits (E[s^2] > 8 var: a first value more than ~2.6 standard deviations from the
+    mean, ~1 % of rows of normal values). A flagged row takes _deviation_sums. Float64 sums
+    instead (exact for every row) cost 0.05-0.15 of copy (docs/perf-notes.md, session 9)."""
+    mean = sums * inv_count
+    var = tl.maximum(squares * inv_count - mean * mean, 0.0)
+    return mean, var, squares * inv_count > 8.0 * var
+
+
+@triton.jit
+def _deviation_sums(x, mean, mask, axis: tl.constexpr):
+    """(sum d^2, sum d) of d = x - mean, the first estimate of the mean: E[d] ~ 0, so they
+    cannot cancel (the corrected two-pass form)."""
+    d = tl.where(mask, x - mean, 0.0)
+    return _pair_sums(d * d, d, axis)
+
+
+@triton.jit
+def _corrected(mean, squares, sums, inv_count):
+    """(mean, variance) from the deviations' sums: sum d also mends the first mean, whose
+    float32 sum of large s was off by ~1e-6 of it."""
+    correction = sums * inv_count
+    return mean + correction, tl.maximum(squares * inv_count - correction * correction, 0.0)
 
 
 @triton.jit
@@ -185,10 +230,11 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                           SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
     # Ticket-ordered slices (pintail/_split.py). Each slice publishes, RMS: (sum x^2, 1.0);
-    # LayerNorm: (sum of squared deviations from the slice's own mean, sum s) of s = x - pilot
-    # (the row's first value, as in the rows plan), from float64 sums; the first with its
-    # lowest mantissa bit set so that the word is never 0 (it adds one ulp, or 1.4e-45 to a
-    # zero). The waiter merges them (Chan et al.): a sum of squares that cannot cancel. The
+    # LayerNorm: (sum of squared deviations from the slice's own mean, sum x), from float64
+    # sums of s = x - first (the row's first value); the first word with its lowest mantissa
+    # bit set so that it is never 0 (it adds one ulp, or 1.4e-45 to a zero). The waiter
+    # merges them (Chan et al.): a sum of squares that cannot cancel, and a mean of x itself,
+    # not first + mean(s), which would round at the scale of x - first. The
     # lagged write recomputes h = x + residual from its inputs (from L2) rather than
     # re-reading the h just stored by another program, which would need a release / acquire
     # pair to be visible.
@@ -206,11 +252,8 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
         else:  # held in the input's dtype until used: LayerNorm at 4 warps takes 128 registers, not 168
             x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0)
             x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0)
-        if not RMS:  # both rows' first values (the shift), issued with the slices' loads, not after the wait
-            first = _load_normalised(x_ptr, residual_ptr, h_ptr, row, 0, row < M, x_row_stride, residual_row_stride,
-                                     HAS_RESIDUAL)
-            pilot = _load_normalised(x_ptr, residual_ptr, h_ptr, done, 0, done >= 0, x_row_stride,
-                                     residual_row_stride, HAS_RESIDUAL)
+        if not RMS:  # the row's first value (the shift), issued with the slices' loads
+            first = tl.load(x_ptr + row * x_row_stride, mask=row < M, other=0.0).to(tl.float64)
         next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
         if row < M:
             if HAS_RESIDUAL:
@@ -219,11 +262,13 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 x32 = x_new.to(tl.float32)
                 split.publish(slots_ptr, ticket, tl.sum(x32 * x32, axis=0), tl.full((), 1.0, tl.float32))
             else:
-                squares, sums = _shifted_sums(x_new.to(tl.float32), first, new, 0)
+                # float64 sums here (exact for every slice): the flagged form measured 0.03-0.05 lower
+                s = tl.where(new, x_new.to(tl.float64) - first, 0.0)
+                squares, sums = _pair_sums(s * s, s, 0)
                 count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK).to(tl.float64)
                 deviations = tl.maximum(squares - sums * sums / count, 0.0).to(tl.float32)
                 deviations = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
-                split.publish(slots_ptr, ticket, deviations, sums.to(tl.float32))
+                split.publish(slots_ptr, ticket, deviations, (sums + count * first).to(tl.float32))
         if done >= 0:
             squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
             if RMS:
@@ -231,11 +276,11 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
             else:  # squares: each slice's squared deviations from its own mean
                 counts = tl.maximum(tl.minimum(N - tl.arange(0, SLICES_POW2) * BLOCK, BLOCK), 1).to(tl.float32)
-                shifted_mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
-                between = tl.where(valid, sums / counts - shifted_mean, 0.0)
+                mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
+                between = tl.where(valid, sums / counts - mean, 0.0)
                 var = tl.sum(tl.where(valid, squares, 0.0) + counts * between * between, axis=0) * inv_n
-                centred = (x_old.to(tl.float32) - pilot) - shifted_mean
-                tl.store(mean_ptr + done, pilot + shifted_mean, mask=ticket % SLICES == 0)
+                centred = x_old.to(tl.float32) - mean
+                tl.store(mean_ptr + done, mean, mask=ticket % SLICES == 0)
             rstd = 1.0 / tl.sqrt(var + eps)
             tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
             y = centred * rstd
@@ -293,7 +338,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         if RMS:
             dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
         elif BLOCK_N <= 4096:  # one reduction, one round of barriers: 0.87 of copy at 4096, 0.80 with two
-            sum_gx, sum_g = tl.reduce((g * x_hat, g), 1, _add_pairs)
+            sum_gx, sum_g = _pair_sums(g * x_hat, g, 1)
             dx = g - x_hat * (sum_gx * inv_n)[:, None] - (sum_g * inv_n)[:, None]
         else:  # at 8192 (16 warps a row) two sums measured 0.76, one reduction 0.73
             dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None] - (tl.sum(g, axis=1) * inv_n)[:, None]

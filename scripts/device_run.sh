@@ -5,8 +5,8 @@
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
-#                                                  # LayerNorm's statistics exact and fast (four forms), and the
-#                                                  # library's LayerNorm forward alone at every size (~2 min?)
+#                                                  # LayerNorm's forward configs with the flagged statistics, and
+#                                                  # its worst case (every row flagged) at every size (~2 min?)
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
@@ -27,8 +27,9 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
-        steps=("exp_layer_stats.py"
-               "tune_norm.py --out $OUT --layer --directions fwd --default-only --sizes 1024,4096,8192,16384,24576,32768,65536,262144")
+        mkdir -p "$OUT/stands-out"
+        steps=("tune_norm.py --out $OUT --layer --directions fwd --sizes 1024,4096,8192,16384,24576,32768"
+               "tune_norm.py --out $OUT/stands-out --layer --directions fwd --default-only --first-stands-out --sizes 1024,4096,8192,16384,24576,32768,65536,262144")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

@@ -3,7 +3,7 @@ weight; LayerNorm with a bias too) and print each one's fraction of the copy ban
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
     python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
-                                [--default-only]
+                                [--default-only] [--first-stands-out]
 """
 
 import argparse
@@ -25,7 +25,7 @@ def configs(direction, N, rms):
         for tile in sorted({block_n, 2048, 4096, 8192, 16384}):
             if tile < block_n:
                 continue
-            for warps in (4, 8, 16, 32):
+            for warps in (2, 4, 8, 16, 32):
                 per_thread = tile // (32 * warps)
                 if not 4 <= per_thread <= 64:
                     continue
@@ -64,6 +64,8 @@ def main():
     p.add_argument("--residual", action="store_true",
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
+    p.add_argument("--first-stands-out", action="store_true",
+                   help="every row's first value 1000 (LayerNorm's worst case: every row flagged, norm._moments)")
     args = p.parse_args()
     rms = not args.layer
     copy_bw = copy_bandwidth()
@@ -73,6 +75,8 @@ def main():
         for N in map(int, args.sizes.split(",")):
             M = 2**27 // N
             x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            if args.first_stands_out:
+                x[:, 0] = 1000.0
             w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
             b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn_like(x)
