@@ -528,17 +528,17 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 # RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
 # (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
-                "layer": [(1024, 4096, 4), (4096, 8192, 4), (8192, 8192, 8), (16384, 16384, 8)]}
+                "layer": [(1024, 2048, 2), (4096, 8192, 4), (8192, 8192, 4), (16384, 16384, 8)]}
 FORWARD_ROWS["rms+residual"] = FORWARD_ROWS["rms"] + [(32768, 32768, 32)]
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 # The long plan per kind: (row length up to, chunk, warps), with eviction hints (kernel
 # alone, H200, bf16; scripts/tune_norm.py). RMSNorm 0.86 / 0.90 / 0.90 at N = 20000 / 24576 /
-# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.76 / 0.79 / 0.80 with
-# float32 statistics (0.75 / 0.72 at 24576 / 32768 with the float64 ones), where its rows
-# plan (a 32768-wide tile, float32) gave 0.57 / 0.66 / 0.77. 16384-element chunks lose where the
-# second is mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past the last entry the
-# second read misses L2 and the split plan wins.
+# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 /
+# 32768 (0.70 / 0.67 with every row flagged for the exact statistics), where its rows plan
+# (a 32768-wide tile) gave 0.67 / 0.78 (0.65 at 32768 flagged). 16384-element chunks lose
+# where the second is mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past the last
+# entry the second read misses L2 and the split plan wins.
 FORWARD_LONG = {"rms": [(24576, 8192, 16), (32768, 16384, 16)], "layer": [(24576, 8192, 8), (32768, 16384, 16)]}
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid

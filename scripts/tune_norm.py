@@ -25,7 +25,7 @@ def configs(direction, N, rms):
         for tile in sorted({block_n, 2048, 4096, 8192, 16384}):
             if tile < block_n:
                 continue
-            for warps in (2, 4, 8, 16, 32):
+            for warps in (1, 2, 4, 8, 16, 32):
                 per_thread = tile // (32 * warps)
                 if not 4 <= per_thread <= 64:
                     continue
@@ -34,6 +34,10 @@ def configs(direction, N, rms):
                     out.append(cfg)
                 elif tile <= 8192:
                     out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
+    if direction == "fwd" and N <= 8192:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
+        for warps in (1, 2, 4, 8, 16, 32):
+            if 4 <= block_n // (32 * warps) <= 64:
+                out.append({"plan": "long", "BLOCK": block_n, "num_warps": warps})
     if N >= 16384:
         for block in (4096, 8192, 16384):
             for warps in (8, 16):
