@@ -26,6 +26,17 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def row_alignment(*sizes: int) -> int:
+    """The largest power of 2 up to 16 that divides every size (a row length and the row
+    strides, in elements). Triton specialises an integer argument as divisible by 16 or
+    not at all, so rows of 1000 or 3000 bf16 elements (8-divisible: 16-byte aligned) got
+    2-byte loads and stores; a kernel told ALIGN = 8 (tl.multiple_of) vectorises them."""
+    align = 16
+    while align > 1 and any(size % align for size in sizes):
+        align //= 2
+    return align
+
+
 # Compiled kernels by (kernel, device, specialisation, launch options): see launch().
 _COMPILED = {}
 _TRITON_3_6 = triton.__version__.startswith("3.6.")

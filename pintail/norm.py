@@ -14,9 +14,10 @@ Kernels, four plans by row length N (tables at the end of the kernels):
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row.
 - long: a program per row in two passes (statistics, then the output), the second pass
-  re-reading the row; the backward (LayerNorm) on a grid of (row blocks x column chunks),
-  each program keeping its chunk's dweight / dbias in registers, after a first small kernel
-  has computed each row's sums mean(g x^), mean(g) (x and dy are read twice).
+  re-reading the row (also RMSNorm's forward of rows of 513-8192, as one chunk); the
+  backward (LayerNorm) on a grid of (row blocks x column chunks), each program keeping its
+  chunk's dweight / dbias in registers, after a first small kernel has computed each row's
+  sums mean(g x^), mean(g) (x and dy are read twice).
 - split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
   publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
   x read from HBM once, y written once.
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative,
-                      program_slots, runs_kernels, unit_stride)
+                      program_slots, row_alignment, runs_kernels, unit_stride)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -47,10 +48,14 @@ from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, n
 def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n,
                          x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                          RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ALIGN: tl.constexpr):
     # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
     # from deviations about the mean (two passes over registers, not over HBM). A program
     # per tile: a persistent grid that loaded the weight once measured 0.05 lower.
+    if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
+        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
+            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -93,10 +98,13 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
 def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
     # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
     # residual, pass 2 reads the h just stored: no hints there (not measured).
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
+            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
     keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
@@ -152,6 +160,15 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _aligned(N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN: tl.constexpr):
+    """The same values, written as multiples of ALIGN so that the compiler's alignment
+    analysis sees them as such (tl.multiple_of on a kernel's scalar argument does not reach
+    it: the loads stayed 2-byte wide, sm_90)."""
+    return ((N // ALIGN) * ALIGN, (x_row_stride // ALIGN) * ALIGN, (residual_row_stride // ALIGN) * ALIGN,
+            (h_row_stride // ALIGN) * ALIGN, (y_row_stride // ALIGN) * ALIGN)
 
 
 @triton.jit
@@ -521,25 +538,34 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 
 
 # ------------------------------------------------------------------ launch heuristics
-# Rows plans, per kind (rms / layer): (row length up to, elements per tile at least,
-# warps[, programs per SM]). Past the last entry a row does not fit in registers and takes
-# the long plan (the forward: the split plan past FORWARD_LONG). Measured on the H200
-# (scripts/tune_norm.py, docs/perf-notes.md).
-# RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
-# (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
-FORWARD_ROWS = {"rms": [(1024, 2048, 4), (4096, 16384, 8), (8192, 16384, 8), (16384, 16384, 8)],
-                "layer": [(1024, 2048, 2), (4096, 8192, 4), (8192, 8192, 4), (16384, 16384, 8)]}
-FORWARD_ROWS["rms+residual"] = FORWARD_ROWS["rms"] + [(32768, 32768, 32)]
+# The forward's plans per kind, by row length: (row length up to, plan, size, warps), where
+# size is the rows plan's elements a tile at least (whole rows, BLOCK_M of them) and the
+# long plan's chunk. Past the last entry: the split plan. Measured on the H200 (kernel
+# alone, bf16; scripts/tune_norm.py, docs/perf-notes.md).
+# - RMSNorm from 513 to 8192: the long plan with the row as one chunk (pass 1 marks its
+#   loads evict_last, pass 2 re-reads the row from L1 / L2), as torch.compile's kernel at
+#   8192: 0.97 / 0.97 / 0.96 at 1024 / 4096 / 8192 against the rows plan's 0.95 / 0.95 /
+#   0.93-0.94 (it holds the tile in registers: fewer warps in flight). LayerNorm's long plan
+#   did not beat its rows plan there.
+# - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
+#   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
+#   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
+#   row flagged for the exact statistics), where its rows plan (a 32768-wide tile) gave
+#   0.67 / 0.78 (0.65 at 32768 flagged). 16384-element chunks lose where the second is
+#   mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past 32768 the second read misses
+#   L2 and the split plan wins.
+# - RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
+#   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
+FORWARD_PLANS = {
+    "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
+            (16384, "rows", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 16)],
+    "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
+    "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
+              (32768, "long", 16384, 16)]}
+# The backward's rows plans: (row length up to, elements a tile at least, warps, programs
+# per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
-# The long plan per kind: (row length up to, chunk, warps), with eviction hints (kernel
-# alone, H200, bf16; scripts/tune_norm.py). RMSNorm 0.86 / 0.90 / 0.90 at N = 20000 / 24576 /
-# 32768 (0.83 / 0.86 without hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 /
-# 32768 (0.70 / 0.67 with every row flagged for the exact statistics), where its rows plan
-# (a 32768-wide tile) gave 0.67 / 0.78 (0.65 at 32768 flagged). 16384-element chunks lose
-# where the second is mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past the last
-# entry the second read misses L2 and the split plan wins.
-FORWARD_LONG = {"rms": [(24576, 8192, 16), (32768, 16384, 16)], "layer": [(24576, 8192, 8), (32768, 16384, 16)]}
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -572,13 +598,12 @@ def _kind(rms):
 
 def forward_config(N, rms, residual=False):
     kind = _kind(rms) + ("+residual" if residual else "")
-    for limit, tile, warps in FORWARD_ROWS[kind]:
+    for limit, plan, size, warps in FORWARD_PLANS[kind]:
+        if N <= limit and plan == "long":
+            return {"plan": "long", "BLOCK": size, "num_warps": warps}
         if N <= limit:
             block_n = next_power_of_2(N)
-            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    for limit, block, warps in FORWARD_LONG.get(kind, FORWARD_LONG[_kind(rms)]):
-        if N <= limit:
-            return {"plan": "long", "BLOCK": block, "num_warps": warps}
+            return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return FORWARD_SPLIT[kind]
 
 
@@ -620,12 +645,13 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                h.stride(0) if residual is not None else 0, y.stride(0), eps, weight_offset)
     flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  num_warps=cfg["num_warps"])
+    align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
     elif cfg["plan"] == "long":
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
-               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)))
+               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), ALIGN=align)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

@@ -14,23 +14,23 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 
 @pytest.fixture(params=["rows", "long", "split"])
 def plan(request, monkeypatch):
-    """Every plan at test sizes: 'long' empties the rows tables and shortens the chunks (both
-    norms' backward take the long plan); 'split' does too and sends the forward to the split
+    """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
+    RMSNorm's forward of rows of 513-8192: the long plan, the row one chunk); 'long' sends
+    every forward to the long plan with short chunks and empties the backward's rows tables
+    (both norms' backward take the long plan); 'split' does too and sends the forward to the split
     plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
     LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
-        monkeypatch.setattr(norm_module, "FORWARD_ROWS", {"rms": [], "rms+residual": [], "layer": []})
+        monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
+                                                           for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
-        short_chunks = {kind: [(limit, LONG_BLOCK, warps) for limit, _, warps in table]
-                        for kind, table in norm_module.FORWARD_LONG.items()}
-        monkeypatch.setattr(norm_module, "FORWARD_LONG", short_chunks)
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
     if request.param == "long":
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {})
     if request.param == "split":
-        monkeypatch.setattr(norm_module, "FORWARD_LONG", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [] for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {"rms": {**norm_module.BACKWARD_BLOCKS["rms"], "ROWS": 3,
                                                                      "BLOCK": LONG_BLOCK}})
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(math.inf, LONG_BLOCK, 4, 4)])
@@ -373,11 +373,18 @@ def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
 
 
 def test_long_rows_plans():
-    """The launch tables at the widths where they change (measured on the H200): the long
-    forward's chunk, RMSNorm with a residual in registers to 32768, and the longer slices
-    of the backward with the residual's gradient past 65536."""
+    """The launch tables at the widths where they change (measured on the H200): RMSNorm's
+    short rows as one chunk of the long plan, the long forward's chunk, RMSNorm with a
+    residual in registers to 32768, and the longer slices of the backward with the
+    residual's gradient past 65536."""
     def plan(cfg):
         return cfg["plan"], cfg.get("BLOCK", cfg.get("BLOCK_N"))
+    assert plan(norm_module.forward_config(512, True)) == ("rows", 512)
+    assert plan(norm_module.forward_config(513, True)) == ("long", 1024)
+    assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
+    assert plan(norm_module.forward_config(8193, True)) == ("rows", 16384)
+    assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
+    assert plan(norm_module.forward_config(4096, False)) == ("rows", 4096)
     for rms in (True, False):
         assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
         assert plan(norm_module.forward_config(24577, rms)) == ("long", 16384)
@@ -388,3 +395,15 @@ def test_long_rows_plans():
     assert plan(norm_module.backward_config(131072, True, dh=True)) == ("blocks", 4096)
     assert plan(norm_module.backward_config(262144, True, dh=True)) == ("blocks", 8192)
     assert plan(norm_module.backward_config(262144, True)) == ("blocks", 2048)
+
+
+def test_row_alignment():
+    """The forward kernels' ALIGN: the largest power of 2 up to 16 dividing the row length
+    and every row stride (a stride of 0, an expanded row, divides by anything)."""
+    from pintail._launch import row_alignment
+    assert row_alignment(1000, 1000, 0, 0, 1000) == 8
+    assert row_alignment(3000, 6000) == 8
+    assert row_alignment(700) == 4
+    assert row_alignment(1024, 2048, 0) == 16
+    assert row_alignment(1024, 1000) == 8
+    assert row_alignment(4097) == 1
