@@ -48,11 +48,13 @@ case $mode in
                     "rms_fwd 32768" "rms_fwd 131072" "layer_fwd 131072" "rms_bwd 32768" "layer_bwd 32768" \
                     "cross_entropy_fwd 32768"; do
             set -- $case
+            # one report file in all: only ~8-10 files come back from a call
             timeout 100 "$ncu" --clock-control none --profile-from-start off $sections \
-                python3 scripts/profile_kernel.py "$1" "$2" > "$OUT/ncu-$1-$2.txt" 2>&1
+                python3 scripts/profile_kernel.py "$1" "$2" > /tmp/ncu.txt 2>&1
             echo "== $1 $2 (exit $?)"
+            (echo "==== $1 $2"; cat /tmp/ncu.txt) >> "$OUT/ncu-reports.txt"
             grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
-                "$OUT/ncu-$1-$2.txt" | head -24
+                /tmp/ncu.txt | head -24
         done ;;
     sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans (small shapes)
         timeout 560 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_norm.py \
