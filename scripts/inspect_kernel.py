@@ -97,16 +97,17 @@ def main():
             if cfg["plan"] != "rows":
                 continue
             inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
-                    {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
+                    {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "ALIGN": 16}, cfg["num_warps"])
         for N in (1024, 4096, 8192):
             cfg = norm.backward_config(N, rms)
             inspect(norm._backward_rows_kernel, signature(norm._backward_rows_kernel),
                     {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": rms, "BLOCK_M": cfg["BLOCK_M"],
                      "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
-        for N in (24576, 32768):  # without the residual (with it, rows this long stay in registers)
+        for N in (1024, 4096, 8192, 24576, 32768):  # without the residual (with it, rows stay in registers)
             cfg = norm.forward_config(N, rms)
-            inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
-                    {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
+            if cfg["plan"] == "long":
+                inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
+                        {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"], "ALIGN": 16}, cfg["num_warps"])
         split_cfg = norm.forward_config(262144, rms, residual=rms)
         inspect(norm._forward_split_kernel, signature(norm._forward_split_kernel),
                 {**flags, "BLOCK": split_cfg["BLOCK"], "SLICES_POW2": 32}, split_cfg["num_warps"])
