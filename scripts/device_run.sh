@@ -7,6 +7,9 @@
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
 #                                                  # LayerNorm's forward configs with the flagged statistics, and
 #                                                  # its worst case (every row flagged) at every size (~2 min?)
+#   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
+#                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
+#                                                  # and the tree; prints the lines with the default config
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
@@ -35,6 +38,14 @@ case $mode in
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
             echo "== ${steps[$i]} (exit $?)"; grep -v "^ " "$OUT/step$i.log" | tail -120
         done ;;
+    ab)
+        dir=$1; shift
+        for run in 1 2; do
+            for side in "$dir" "$PWD"; do
+                PYTHONPATH=$side:$PWD/scripts timeout 120 python3 "scripts/$1" "${@:2}" --out /tmp > /tmp/ab.log 2>&1
+                echo "== ${side#$PWD/} run $run (exit $?)"; grep "(default)" /tmp/ab.log
+            done
+        done ;;
     profile)  # Nsight Compute on one launch per case (scripts/profile_kernel.py); reports in $OUT
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
         # MemoryWorkloadAnalysis_Tables: L2 requests by kind (loads, stores, atomics), for what
@@ -62,5 +73,5 @@ case $mode in
             -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
     *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments" \
-            "| profile | sanitize"; exit 2 ;;
+            "| ab DIR SCRIPT [args] | profile | sanitize"; exit 2 ;;
 esac
