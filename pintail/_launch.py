@@ -30,7 +30,9 @@ def row_alignment(*sizes: int) -> int:
     """The largest power of 2 up to 16 that divides every size (a row length and the row
     strides, in elements). Triton specialises an integer argument as divisible by 16 or
     not at all, so rows of 1000 or 3000 bf16 elements (8-divisible: 16-byte aligned) got
-    2-byte loads and stores; a kernel told ALIGN = 8 (tl.multiple_of) vectorises them."""
+    2-byte loads and stores; a kernel told ALIGN = 8 rewrites them as (v // 8) * 8, which
+    its alignment analysis reads, and gets 16-byte ones (tl.multiple_of on a scalar argument
+    did not reach it)."""
     align = 16
     while align > 1 and any(size % align for size in sizes):
         align //= 2

@@ -204,12 +204,13 @@ def _pair_sums(a, b, axis: tl.constexpr):
 
 @triton.jit
 def _shifted_sums(x, pilot, mask, axis: tl.constexpr):
-    """LayerNorm's float32 (sum s^2, sum s) of s = x - pilot (the row's first value, a shift
-    that keeps a large mean from swamping the spread) over `axis`, as one reduction (one
-    round of barriers; two sums took two). E[s^2] - E[s]^2 still cancels when the values
-    sit far from the pilot against their spread (a first value that stands out): _moments
-    flags those rows. The output centres x itself, x - mean: s rounds at the scale of
-    x - pilot, which for those rows is the outlier's."""
+    """LayerNorm's (sum s^2, sum s) of s = x - pilot (the row's first value, a shift that
+    keeps a large mean from swamping the spread) over `axis`, in x's dtype (float32; the
+    split plan's float64), as one reduction (one round of barriers; two sums took two).
+    In float32, E[s^2] - E[s]^2 still cancels when the values sit far from the pilot
+    against their spread (a first value that stands out): _moments flags those rows. The
+    output centres x itself, x - mean: s rounds at the scale of x - pilot, which for those
+    rows is the outlier's."""
     s = tl.where(mask, x - pilot, 0.0)
     return _pair_sums(s * s, s, axis)
 
@@ -280,8 +281,7 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 split.publish(slots_ptr, ticket, tl.sum(x32 * x32, axis=0), tl.full((), 1.0, tl.float32))
             else:
                 # float64 sums here (exact for every slice): the flagged form measured 0.03-0.05 lower
-                s = tl.where(new, x_new.to(tl.float64) - first, 0.0)
-                squares, sums = _pair_sums(s * s, s, 0)
+                squares, sums = _shifted_sums(x_new.to(tl.float64), first, new, 0)
                 count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK).to(tl.float64)
                 deviations = tl.maximum(squares - sums * sums / count, 0.0).to(tl.float32)
                 deviations = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
@@ -599,11 +599,12 @@ def _kind(rms):
 def forward_config(N, rms, residual=False):
     kind = _kind(rms) + ("+residual" if residual else "")
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
-        if N <= limit and plan == "long":
+        if N > limit:
+            continue
+        if plan == "long":
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
-        if N <= limit:
-            block_n = next_power_of_2(N)
-            return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
+        block_n = next_power_of_2(N)
+        return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return FORWARD_SPLIT[kind]
 
 
