@@ -6,6 +6,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 
 # triton.jit picks the interpreter or the compiler when a kernel is decorated, so the
 # choice is read once, at import, exactly as the kernels saw it.
@@ -37,6 +38,14 @@ def row_alignment(*sizes: int) -> int:
     while align > 1 and any(size % align for size in sizes):
         align //= 2
     return align
+
+
+@triton.jit
+def aligned(value, ALIGN: tl.constexpr):
+    """value, a multiple of ALIGN (row_alignment), written as one so that the compiler's
+    alignment analysis sees it (tl.multiple_of on a kernel's scalar argument does not reach
+    it: the loads stayed 2-byte wide, sm_90)."""
+    return (value // ALIGN) * ALIGN
 
 
 # Compiled kernels by (kernel, device, specialisation, launch options): see launch().

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative,
+from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, launch, next_power_of_2, no_second_derivative,
                       program_slots, row_alignment, runs_kernels, unit_stride)
 
 
@@ -54,8 +54,8 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     # from deviations about the mean (two passes over registers, not over HBM). A program
     # per tile: a persistent grid that loaded the weight once measured 0.05 lower.
     if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
-        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
-            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -103,8 +103,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
     # residual, pass 2 reads the h just stored: no hints there (not measured).
     if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
-            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
@@ -160,15 +160,6 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _aligned(N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN: tl.constexpr):
-    """The same values, written as multiples of ALIGN so that the compiler's alignment
-    analysis sees them as such (tl.multiple_of on a kernel's scalar argument does not reach
-    it: the loads stayed 2-byte wide, sm_90)."""
-    return ((N // ALIGN) * ALIGN, (x_row_stride // ALIGN) * ALIGN, (residual_row_stride // ALIGN) * ALIGN,
-            (h_row_stride // ALIGN) * ALIGN, (y_row_stride // ALIGN) * ALIGN)
 
 
 @triton.jit

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
-                      no_second_derivative, runs_kernels)
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
+                      no_second_derivative, row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -37,8 +37,10 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 @triton.jit
 def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
-                         LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
     # One tile of BLOCK_M whole rows: read once, reduce in registers, write once.
+    if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -93,7 +95,10 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
 
 @triton.jit
-def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr):
+def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
+                             ALIGN: tl.constexpr):
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
     # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
     # (evict_first), so the second read comes from L2 while the rows in flight fit there.
@@ -127,7 +132,10 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
 
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+    if ALIGN > 1:  # as in the forward
+        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -283,11 +291,11 @@ def launch_forward(x, y, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
                num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(
@@ -304,7 +312,7 @@ def launch_backward(y, dy, dx, log, config=None):
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),

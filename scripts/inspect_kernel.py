@@ -83,7 +83,7 @@ def main():
             inspect(sm._backward_own_row_kernel, own_row, {"LOG": log, "BLOCK": block, "SLICES_POW2": 32}, warps)
     for log in (False, True):  # the two-pass forward: its loads carry the eviction hints (LDG.E.EL / .EF)
         inspect(sm._forward_two_pass_kernel, signature(sm._forward_two_pass_kernel),
-                {"LOG": log, "BLOCK": sm.FORWARD_TWO_PASS[log]["BLOCK"]}, sm.FORWARD_TWO_PASS[log]["num_warps"])
+                {"LOG": log, "BLOCK": sm.FORWARD_TWO_PASS[log]["BLOCK"], "ALIGN": 16}, sm.FORWARD_TWO_PASS[log]["num_warps"])
     for flags in (False, True):
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),

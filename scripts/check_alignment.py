@@ -1,0 +1,49 @@
+"""Which width the loads and stores of a row kernel get when the row length and strides are
+8-divisible but not 16 (rows of 1000 or 3000 bf16 elements): compiles for sm_90 on the CPU
+machine (Triton ships ptxas), with ALIGN 1 and 8, and counts the SASS memory instructions.
+LDG.E.U16 / STG.E.U16 are 2-byte accesses; LDG.E.128 / STG.E.128 are 16-byte ones.
+
+    python scripts/check_alignment.py
+"""
+
+import importlib
+import os
+import subprocess
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import inspect_kernel
+
+norm = importlib.import_module("pintail.norm")
+softmax = importlib.import_module("pintail.softmax")
+CASES = [(norm._forward_rows_kernel, {"RMS": False, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": True,
+                                      "BLOCK_M": 2, "BLOCK_N": 1024}),
+         (norm._forward_long_kernel, {"RMS": True, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": False,
+                                      "BLOCK": 1024}),
+         (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024}),
+         (softmax._forward_two_pass_kernel, {"LOG": False, "BLOCK": 8192}),
+         (softmax._backward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024})]
+
+
+def main():
+    for fn, constexprs in CASES:
+        signature = inspect_kernel.signature(fn)
+        # pointers 16-byte aligned (torch's allocations); sizes and strides without Triton's 16-divisibility
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
+        for align in (1, 8):
+            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, "ALIGN": align}, attrs=attrs)
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            path = "/tmp/pintail_alignment.cubin"
+            with open(path, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            sass = subprocess.run([os.path.join(inspect_kernel.BIN, "cuobjdump"), "-sass", path],
+                                  capture_output=True, text=True).stdout
+            ops = Counter(word for line in sass.splitlines() for word in line.split() if word.startswith(("LDG", "STG")))
+            print(f"{fn.__module__}.{fn.__name__} ALIGN={align}: {dict(ops)}")
+
+
+if __name__ == "__main__":
+    main()
