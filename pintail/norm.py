@@ -132,8 +132,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     shifted_mean, var, flagged = _moments(squares, sums, inv_n)
     mean = pilot + shifted_mean
     if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
-        deviations = 0.0
-        drift = 0.0
+        deviations = tl.zeros((), tl.float64)
+        drift = tl.zeros((), tl.float64)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
@@ -214,23 +214,24 @@ def _moments(squares, sums, inv_count):
     instead (exact for every row) cost 0.05-0.15 of copy (docs/perf-notes.md, session 9)."""
     mean = sums * inv_count
     var = tl.maximum(squares * inv_count - mean * mean, 0.0)
-    return mean, var, squares * inv_count > 8.0 * var
+    return mean, var, ~(squares * inv_count <= 8.0 * var)  # also where the squares overflowed (inf, NaN)
 
 
 @triton.jit
 def _deviation_sums(x, mean, mask, axis: tl.constexpr):
     """(sum d^2, sum d) of d = x - mean, the first estimate of the mean: E[d] ~ 0, so they
     cannot cancel (the corrected two-pass form)."""
-    d = tl.where(mask, x - mean, 0.0)
+    d = tl.where(mask, x - mean, 0.0).to(tl.float64)  # float64: d^2 of values past ~1e19 overflows float32
     return _pair_sums(d * d, d, axis)
 
 
 @triton.jit
 def _corrected(mean, squares, sums, inv_count):
-    """(mean, variance) from the deviations' sums: sum d also mends the first mean, whose
-    float32 sum of large s was off by ~1e-6 of it."""
+    """(mean, variance) from the deviations' float64 sums: sum d also mends the first mean,
+    whose float32 sum of large s was off by ~1e-6 of it."""
     correction = sums * inv_count
-    return mean + correction, tl.maximum(squares * inv_count - correction * correction, 0.0)
+    var = tl.maximum(squares * inv_count - correction * correction, 0.0)
+    return mean + correction.to(tl.float32), var.to(tl.float32)
 
 
 @triton.jit
@@ -275,7 +276,8 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 squares, sums = _shifted_sums(x_new.to(tl.float64), first, new, 0)
                 count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK).to(tl.float64)
                 deviations = tl.maximum(squares - sums * sums / count, 0.0).to(tl.float32)
-                deviations = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                marked = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                deviations = tl.where(deviations == float("inf"), deviations, marked)  # inf | 1 would be NaN
                 split.publish(slots_ptr, ticket, deviations, (sums + count * first).to(tl.float32))
         if done >= 0:
             squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)

@@ -407,3 +407,15 @@ def test_row_alignment():
     assert row_alignment(1024, 2048, 0) == 16
     assert row_alignment(1024, 1000) == 8
     assert row_alignment(4097) == 1
+
+
+@pytest.mark.parametrize("N", [300, 3000])
+def test_layer_norm_of_rows_with_values_past_float32_squares(N, plan, device):
+    """A value above ~1.8e19 overflows a float32 square: the row is flagged (its sums are
+    inf or NaN) and its second round takes d^2 in float64, so the row comes out as torch's
+    float32 one (variance inf: rstd 0, y = bias), not NaN. inf and NaN rows stay NaN."""
+    x = torch.randn(4, N, device=device)
+    x[0, 9], x[1, N // 2], x[2, 5], x[3, 7] = 3e38, -2e19, float("inf"), float("nan")
+    w, b = torch.randn(N, device=device), torch.randn(N, device=device)
+    ours = pintail.layer_norm(x, (N,), w, b)
+    torch.testing.assert_close(ours, F.layer_norm(x, (N,), w, b), equal_nan=True)
