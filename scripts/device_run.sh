@@ -5,8 +5,8 @@
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
-#                                                  # LayerNorm's forward configs with the flagged statistics, and
-#                                                  # its worst case (every row flagged) at every size (~2 min?)
+#                                                  # compile's kernels at RMSNorm / LayerNorm 32768 and rotary;
+#                                                  # the rotary sweep (~2 min)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -30,9 +30,8 @@ case $mode in
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
-        mkdir -p "$OUT/stands-out"
-        steps=("tune_norm.py --out $OUT --layer --directions fwd --sizes 1024,4096,8192,16384,24576,32768"
-               "tune_norm.py --out $OUT/stands-out --layer --directions fwd --default-only --first-stands-out --sizes 1024,4096,8192,16384,24576,32768,65536,262144")
+        steps=("exp_compile_kernels.py --out $OUT --cases rms:32768,layer:32768,rotary:4096"
+               "tune_rotary.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

@@ -3,11 +3,12 @@ bf16, (batch, heads, seq, dim), half-split pairs, the BENCHMARKS.md shape; forwa
 backward kernels launched directly (no autograd), as fractions of the copy bandwidth; the
 library's configuration first, marked "(default)".
 
-    python scripts/tune_rotary.py
+    python scripts/tune_rotary.py [--default-only]
 """
 
 import importlib
 import itertools
+import sys
 
 import torch
 from measure import copy_bandwidth, time_ms
@@ -25,9 +26,9 @@ def main():
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
-    default = (rot.HEADS_PER_PROGRAM, rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
+    default = (getattr(rot, "HEADS_PER_PROGRAM", None), rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
     sweep = [default] + [c for c in itertools.product((None, 1, 2, 4, 8), (1024, 2048, 4096), (1, 2), (4, 8))
-                         if c != default and c[2] <= (c[0] or 8)]
+                         if c != default and c[2] <= (c[0] or 8) and "--default-only" not in sys.argv]
     for per_program, tile, heads, warps in sweep:
         rot.HEADS_PER_PROGRAM, rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = per_program, tile, heads, warps
         for backward in (False, True):

@@ -2,7 +2,7 @@
 direction and N, each configuration's fraction of the copy bandwidth. Feeds the tables in
 pintail/softmax.py and docs/perf-notes.md.
 
-    python scripts/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd]
+    python scripts/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--default-only]
 """
 
 import argparse
@@ -52,6 +52,7 @@ def main():
     p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
+    p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     args = p.parse_args()
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -65,7 +66,7 @@ def main():
             dx = torch.empty_like(x)
             default = sm.forward_config(N, args.log) if direction == "fwd" else sm.backward_config(N, args.log)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
-            for cfg in configs(N, direction):
+            for cfg in [default] if args.default_only else configs(N, direction):
                 if direction == "fwd":
                     fn = lambda: sm.launch_forward(x, y, args.log, cfg)
                 else:
