@@ -132,8 +132,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     shifted_mean, var, flagged = _moments(squares, sums, inv_n)
     mean = pilot + shifted_mean
     if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
-        deviations = tl.zeros((), tl.float64)
-        drift = tl.zeros((), tl.float64)
+        deviations = 0.0
+        drift = 0.0
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
@@ -214,24 +214,28 @@ def _moments(squares, sums, inv_count):
     instead (exact for every row) cost 0.05-0.15 of copy (docs/perf-notes.md, session 9)."""
     mean = sums * inv_count
     var = tl.maximum(squares * inv_count - mean * mean, 0.0)
-    return mean, var, ~(squares * inv_count <= 8.0 * var)  # also where the squares overflowed (inf, NaN)
+    # also flagged: squares that overflowed (inf, or NaN from inf - inf), which the
+    # deviations may not (values of ~1e19 far from the pilot)
+    return mean, var, ~(squares * inv_count <= 8.0 * var) | (squares == float("inf"))
 
 
 @triton.jit
 def _deviation_sums(x, mean, mask, axis: tl.constexpr):
     """(sum d^2, sum d) of d = x - mean, the first estimate of the mean: E[d] ~ 0, so they
     cannot cancel (the corrected two-pass form)."""
-    d = tl.where(mask, x - mean, 0.0).to(tl.float64)  # float64: d^2 of values past ~1e19 overflows float32
+    d = tl.where(mask, x - mean, 0.0)
     return _pair_sums(d * d, d, axis)
 
 
 @triton.jit
 def _corrected(mean, squares, sums, inv_count):
-    """(mean, variance) from the deviations' float64 sums: sum d also mends the first mean,
-    whose float32 sum of large s was off by ~1e-6 of it."""
+    """(mean, variance) from the deviations' sums: sum d also mends the first mean, whose
+    float32 sum of large s was off by ~1e-6 of it. Where sum d^2 overflowed (values past
+    ~1e19) the variance is inf, as torch's float32 one: rstd 0, not the NaN of inf minus a
+    correction^2 that overflowed with it."""
     correction = sums * inv_count
     var = tl.maximum(squares * inv_count - correction * correction, 0.0)
-    return mean + correction.to(tl.float32), var.to(tl.float32)
+    return mean + correction, tl.where(squares == float("inf"), float("inf"), var)
 
 
 @triton.jit

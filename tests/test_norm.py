@@ -412,10 +412,12 @@ def test_row_alignment():
 @pytest.mark.parametrize("N", [300, 3000])
 def test_layer_norm_of_rows_with_values_past_float32_squares(N, plan, device):
     """A value above ~1.8e19 overflows a float32 square: the row is flagged (its sums are
-    inf or NaN) and its second round takes d^2 in float64, so the row comes out as torch's
-    float32 one (variance inf: rstd 0, y = bias), not NaN. inf and NaN rows stay NaN."""
-    x = torch.randn(4, N, device=device)
+    inf or NaN) and comes out as torch's float32 one (variance inf: rstd 0, y = bias), not
+    NaN. A first value of 1e19 overflows the shifted squares alone: the row's deviations do
+    not, and its output is torch's normal one. inf and NaN rows stay NaN."""
+    x = torch.randn(5, N, device=device)
     x[0, 9], x[1, N // 2], x[2, 5], x[3, 7] = 3e38, -2e19, float("inf"), float("nan")
+    x[4, 0] = 1e19
     w, b = torch.randn(N, device=device), torch.randn(N, device=device)
     ours = pintail.layer_norm(x, (N,), w, b)
     torch.testing.assert_close(ours, F.layer_norm(x, (N,), w, b), equal_nan=True)
