@@ -25,21 +25,20 @@ from ._launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_der
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, first_head, end_head, stride_b, stride_s, stride_h, out_stride_b, out_stride_s,
-                  out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Heads first_head to end_head - 1 of one tensor for the program's tokens, BLOCK_H heads
-    at a time: a [heads, tokens, pairs] tile; the table tiles [tokens, pairs] broadcast over
-    the heads."""
+def _rotate_heads(x_ptr, out_ptr, H, stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
+                  b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BACKWARD: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Every head of one tensor for the program's tokens, BLOCK_H heads at a time: a
+    [heads, tokens, pairs] tile; the table tiles [tokens, pairs] broadcast over the heads."""
     pair = tl.arange(0, BLOCK_P)[None, None, :]
     feats = tl.arange(0, 2 * BLOCK_P)[None, None, :]  # interleaved: the pairs side by side, one load
     rest = 2 * PAIRS + tl.arange(0, BLOCK_REST)[None, None, :]
     token_rows = b * stride_b + tokens[None, :, None] * stride_s
     out_token_rows = b * out_stride_b + tokens[None, :, None] * out_stride_s
-    for h0 in range(first_head, end_head, BLOCK_H):
+    for h0 in range(0, H, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
-        rows_mask = (heads < end_head)[:, None, None] & token_mask[None, :, None]
+        rows_mask = (heads < H)[:, None, None] & token_mask[None, :, None]
         heads = heads.to(tl.int64)[:, None, None]
         x_head = x_ptr + token_rows + heads * stride_h
         o_head = out_ptr + out_token_rows + heads * out_stride_h
@@ -76,11 +75,11 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
                    PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
                    TABLE_STEP: tl.constexpr, TABLE_SECOND: tl.constexpr,
                    HAS_POS: tl.constexpr, BACKWARD: tl.constexpr, COPY_REST: tl.constexpr,
-                   HEADS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
-    # BLOCK_S tokens of one sequence: their table rows once, then HEADS_PER_PROGRAM heads of q
-    # or of k (program_id(1) numbers the groups of q's heads, then k's; HK = 0: q only). A
-    # head's tile is BLOCK_S rows of contiguous features, whichever the layout.
+                   BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_REST: tl.constexpr):
+    # BLOCK_S tokens of one sequence: their table rows once, then every head of q and of k
+    # (HK = 0: q only). A head's tile is BLOCK_S rows of contiguous features, whichever the
+    # layout.
     blocks = tl.cdiv(S, BLOCK_S)
     b = (tl.program_id(0) // blocks).to(tl.int64)
     tokens = (tl.program_id(0) % blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -92,31 +91,20 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
         positions = tokens + seq_offset
     in_table = (positions >= 0) & (positions < table_rows)  # outside: NaN out, never a wild read
     pair = tl.arange(0, BLOCK_P)
-    # The table entries of each pair's first and second feature (cos and sin share strides),
-    # loaded as [heads, tokens, pairs] tiles (the same row for every head): a tile of the
-    # heads' shape gets their register layout, where a [tokens, pairs] tile broadcast over
-    # the heads took a shared-memory layout conversion each.
-    at1 = tl.broadcast_to((b * table_stride_b + positions[:, None] * table_stride_row
-                           + pair[None, :] * TABLE_STEP)[None, :, :], (BLOCK_H, BLOCK_S, BLOCK_P))
+    # the table entries of each pair's first and second feature (cos and sin share strides)
+    at1 = b * table_stride_b + positions[:, None] * table_stride_row + pair[None, :] * TABLE_STEP
     at2 = at1 + TABLE_SECOND
-    table_mask = tl.broadcast_to(((token_mask & in_table)[:, None] & (pair < PAIRS)[None, :])[None, :, :],
-                                 (BLOCK_H, BLOCK_S, BLOCK_P))
-    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
-    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)
-    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)
-    group = tl.program_id(1)
-    q_groups = tl.cdiv(HQ, HEADS_PER_PROGRAM)
-    if group < q_groups:
-        first = group * HEADS_PER_PROGRAM
-        _rotate_heads(q_ptr, q_out_ptr, first, tl.minimum(first + HEADS_PER_PROGRAM, HQ), q_stride_b, q_stride_s,
-                      q_stride_h, q_out_stride_b, q_out_stride_s, q_out_stride_h, b, tokens, token_mask, c1, c2, s1,
-                      s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST, BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
-    else:
-        first = (group - q_groups) * HEADS_PER_PROGRAM
-        _rotate_heads(k_ptr, k_out_ptr, first, tl.minimum(first + HEADS_PER_PROGRAM, HK), k_stride_b, k_stride_s,
-                      k_stride_h, k_out_stride_b, k_out_stride_s, k_out_stride_h, b, tokens, token_mask, c1, c2, s1,
-                      s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST, BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
+    table_mask = (token_mask & in_table)[:, None] & (pair < PAIRS)[None, :]
+    c1 = tl.load(cos_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    c2 = tl.load(cos_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    s1 = tl.load(sin_ptr + at1, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    s2 = tl.load(sin_ptr + at2, mask=table_mask, other=float("nan")).to(tl.float32)[None, :, :]
+    _rotate_heads(q_ptr, q_out_ptr, HQ, q_stride_b, q_stride_s, q_stride_h, q_out_stride_b, q_out_stride_s,
+                  q_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
+                  BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
+    _rotate_heads(k_ptr, k_out_ptr, HK, k_stride_b, k_stride_s, k_stride_h, k_out_stride_b, k_out_stride_s,
+                  k_out_stride_h, b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS, INTERLEAVED, BACKWARD, COPY_REST,
+                  BLOCK_H, BLOCK_S, BLOCK_P, BLOCK_REST)
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -124,7 +112,6 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
 # program, BLOCK_H heads per step, about TILE_FEATURES rotated features per head tile.
 TILE_FEATURES = 2048
 HEADS_PER_STEP = 2
-HEADS_PER_PROGRAM = None  # None: all of a tensor's heads (q's, then k's in a second program)
 NUM_WARPS = 4
 
 
@@ -149,10 +136,8 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
     block_p = next_power_of_2(pairs)
     block_s = max(1, min(next_power_of_2(S), TILE_FEATURES // (2 * block_p)))
     rest = D - rotary_dim
-    per_program = HEADS_PER_PROGRAM or max(heads(x), heads(y) if second else 0)
-    groups = cdiv(heads(x), per_program) + (cdiv(heads(y), per_program) if second else 0)
     launch(
-        _rotary_kernel, (B * cdiv(S, block_s), groups),
+        _rotary_kernel, (B * cdiv(S, block_s),),
         x, out, y, y_out, cos, sin, positions if positions is not None else cos, S, heads(x),
         heads(y) if second else 0, D, seq_offset, cos.shape[-2],
         *_bsh_strides(x, seq_dim), *_bsh_strides(out, seq_dim), *_bsh_strides(y, seq_dim),
@@ -163,7 +148,7 @@ def _launch(pairs_of_tensors, cos, sin, positions, seq_dim, seq_offset, rotary_d
         TABLE_STEP=2 if (interleaved and full_table) else 1,
         TABLE_SECOND=(1 if interleaved else pairs) if full_table else 0,
         HAS_POS=positions is not None, BACKWARD=backward, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(),
-        HEADS_PER_PROGRAM=per_program, BLOCK_H=HEADS_PER_STEP, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=next_power_of_2(max(rest, 1)),
+        BLOCK_H=HEADS_PER_STEP, BLOCK_S=block_s, BLOCK_P=block_p, BLOCK_REST=next_power_of_2(max(rest, 1)),
         num_warps=NUM_WARPS)
 
 

@@ -126,7 +126,7 @@ def main():
         inspect(rot._rotary_kernel, signature(rot._rotary_kernel),
                 {"PAIRS": 64, "INTERLEAVED": interleaved, "TABLE_STEP": 1, "TABLE_SECOND": 64 if not interleaved else 1,
                  "HAS_POS": interleaved, "BACKWARD": interleaved, "COPY_REST": interleaved,
-                 "HEADS_PER_PROGRAM": 8, "BLOCK_H": rot.HEADS_PER_STEP, "BLOCK_S": rot.TILE_FEATURES // 128, "BLOCK_P": 64,
+                 "BLOCK_H": rot.HEADS_PER_STEP, "BLOCK_S": rot.TILE_FEATURES // 128, "BLOCK_P": 64,
                  "BLOCK_REST": 64}, rot.NUM_WARPS)
 
 if __name__ == "__main__":

@@ -26,17 +26,18 @@ def main():
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
-    default = (getattr(rot, "HEADS_PER_PROGRAM", None), rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
-    sweep = [default] + [c for c in itertools.product((None, 1, 2, 4, 8), (1024, 2048, 4096), (1, 2), (4, 8))
-                         if c != default and c[2] <= (c[0] or 8) and "--default-only" not in sys.argv]
-    for per_program, tile, heads, warps in sweep:
-        rot.HEADS_PER_PROGRAM, rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = per_program, tile, heads, warps
+    default = (rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
+    sweep = [default] + [c for c in itertools.product((1024, 2048, 4096), (1, 2, 4), (2, 4, 8))
+                         if c != default and "--default-only" not in sys.argv]
+    for tile, heads, warps in sweep:
+        rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = tile, heads, warps
         for backward in (False, True):
             fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, backward)
             ms = time_ms(fn)
-            mark = " (default)" if (per_program, tile, heads, warps) == default else ""
-            print(f"{'bwd' if backward else 'fwd'} per_program={per_program} tile={tile} heads={heads} "
-                  f"warps={warps}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}{mark}", flush=True)
+            mark = " (default)" if (tile, heads, warps) == default else ""
+            print(f"{'bwd' if backward else 'fwd'} tile={tile} heads={heads} warps={warps}: {ms:.4f} ms "
+                  f"{nbytes / (ms * 1e-3) / copy_bw:.3f}{mark}", flush=True)
+
 
 if __name__ == "__main__":
     main()

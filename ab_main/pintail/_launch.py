@@ -1,0 +1,172 @@
+"""Helpers shared by every op: where a tensor runs, which dtypes the kernels take,
+and how a tensor is seen as a matrix of rows for a row-wise kernel."""
+
+import functools
+import math
+
+import torch
+import triton
+
+# triton.jit picks the interpreter or the compiler when a kernel is decorated, so the
+# choice is read once, at import, exactly as the kernels saw it.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+# The kernels load these dtypes and compute in float32.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host. triton.cdiv is a constexpr function: ~5-10 us a call on the
+    host, and a call of ours makes several (scripts/exp_ce_overhead.py style profiles)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 at least n (1 for n <= 1), on the host (see cdiv)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def row_alignment(*sizes: int) -> int:
+    """The largest power of 2 up to 16 that divides every size (a row length and the row
+    strides, in elements). Triton specialises an integer argument as divisible by 16 or
+    not at all, so rows of 1000 or 3000 bf16 elements (8-divisible: 16-byte aligned) got
+    2-byte loads and stores; a kernel told ALIGN = 8 rewrites them as (v // 8) * 8, which
+    its alignment analysis reads, and gets 16-byte ones (tl.multiple_of on a scalar argument
+    did not reach it)."""
+    align = 16
+    while align > 1 and any(size % align for size in sizes):
+        align //= 2
+    return align
+
+
+# Compiled kernels by (kernel, device, specialisation, launch options): see launch().
+_COMPILED = {}
+_TRITON_3_6 = triton.__version__.startswith("3.6.")
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), with less host time on a GPU.
+
+    Triton's own launch re-reads its settings from the environment, checks the kernel's
+    globals and looks up the device and stream through its driver on every call. On the
+    H200 machine (scripts/exp_host_gaps.py) that took 29-36 us a launch, this function 23 us,
+    and the compiled kernel's launcher alone 7-10 us. The rest is Triton's binder, kept
+    because it computes the specialisation (dtypes, 16-byte alignment, integers equal to 1
+    or divisible by 16), so that a cached kernel is only reused where Triton would reuse
+    it. Launch hooks (knobs.runtime.launch_enter_hook) are not called. The interpreter
+    takes the ordinary path, and so does a Triton other than 3.6, whose internals this is
+    written against.
+
+    The kernel runs on the GPU of its first argument (a tensor, for every kernel here), made
+    the current device for the launch where it is not: Triton compiles and launches for the
+    current device."""
+    if INTERPRET:
+        kernel[grid](*args, **kwargs)
+        return
+    device = args[0].device.index
+    if device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            launch(kernel, grid, *args, **kwargs)
+        return
+    if not _TRITON_3_6:
+        kernel[grid](*args, **kwargs)
+        return
+    bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
+    key = (kernel, device, tuple(specialisation), tuple(options.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()
+        _COMPILED[key] = compiled
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())
+
+
+def runs_kernels(t: torch.Tensor) -> bool:
+    """CUDA tensors run the compiled kernels; CPU tensors run them in the Triton
+    interpreter when TRITON_INTERPRET=1 was set before import, else the torch reference."""
+    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+@functools.cache
+def _multiprocessors(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def program_slots(device: torch.device, programs_per_sm: int) -> int:
+    """Grid size of a persistent kernel: programs_per_sm on each multiprocessor. The
+    interpreter runs programs one after another, so a few do."""
+    if device.type != "cuda":
+        return programs_per_sm
+    return programs_per_sm * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def canonical_dim(dim: int, ndim: int) -> int:
+    """`dim` wrapped into [0, ndim), raising what torch raises when it is out of range."""
+    rank = max(ndim, 1)  # a 0-d tensor accepts dim 0 and -1, as in torch
+    if not -rank <= dim < rank:
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {dim})")
+    return dim % rank
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim has unit stride, else a contiguous copy (e.g. of an
+    expanded gradient, whose strides are 0)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` seen as an (M, N) matrix whose rows run along `dim` with unit stride.
+
+    No copy when the layout allows one row stride (e.g. a contiguous tensor, or a slice
+    of rows); a copy only when the elements of a row are not adjacent in memory."""
+    if dim == t.dim() - 1:  # the common cases, without the general steps (each view costs host time)
+        if t.dim() == 2 and t.stride(1) == 1:
+            return t
+        if t.is_contiguous():
+            return t.view(math.prod(t.shape[:-1]), t.shape[-1])
+    moved = t.movedim(dim, -1)
+    if moved.dim() == 0:
+        moved = moved.reshape(1)
+    # the row count spelled out, not -1: a row may hold no elements
+    return unit_stride(moved).reshape(math.prod(moved.shape[:-1]), moved.shape[-1])
+
+
+def empty_like_rows(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An output of t's shape whose rows along `dim` are contiguous: the layout a row-wise
+    kernel writes. The fake (meta) implementations call this too, so that compiled graphs
+    see the strides the real op returns."""
+    if dim == t.dim() - 1:
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    moved_shape = t.movedim(dim, -1).shape
+    return torch.empty(moved_shape, dtype=dtype, device=t.device).movedim(-1, dim)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """A gradient made by a kernel, tied to what it was computed from: differentiating it
+    again raises (the backward kernels are not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, grad, *sources):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("pintail: a second derivative through a pintail op is not supported (its backward "
+                           "runs a kernel); use torch's op where create_graph=True must reach through it")
+
+
+def no_second_derivative(grads: tuple, *sources) -> tuple:
+    """The gradients an autograd.Function's backward returns. When autograd is recording the
+    backward itself (create_graph=True) and a source (a saved tensor or an incoming
+    gradient) requires grad, each gradient is routed through a node that raises if
+    differentiated, instead of silently counting as a constant."""
+    if not torch.is_grad_enabled():
+        return grads
+    sources = [s for s in sources if isinstance(s, torch.Tensor) and s.requires_grad]
+    if not sources:
+        return grads
+    return tuple(_NoSecondDerivative.apply(g, *sources) if isinstance(g, torch.Tensor) else g for g in grads)

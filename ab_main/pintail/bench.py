@@ -1,0 +1,357 @@
+"""python -m pintail.bench: the benchmark on a GPU, a kernel check on a CPU.
+
+On a GPU it follows ../shared/BENCHMARKS.md: measure the copy ceiling (y.copy_(x), 2^30
+bf16 elements), then for each op, direction and shape time pintail, PyTorch eager and
+torch.compile(dynamic=False) with triton.testing.do_bench (median, L2 flushed), and report
+each as ms, TB/s and a fraction of the copy bandwidth of the same run. It prints a table and
+writes results.json and bandwidth.png into --out.
+
+Without a GPU it checks every op's kernels in the Triton interpreter at small sizes against
+float64 torch, prints a pass/fail table, and exits non-zero on a failure.
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _matrix(M, N, dtype, device):
+    return (torch.randn(M, N, device=device, dtype=dtype),), ()
+
+
+# (2, 20000): softmax's two-pass forward, the norms' long forward; (2, 40000): every op's
+# plan for rows past 32768
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000), (2, 40000)]
+
+
+@dataclass
+class Op:
+    """One op as the bench sees it. `make(M, N, dtype, device)` gives (differentiable inputs,
+    other inputs); the functions take both, in that order. Bytes are counted on the
+    differentiable inputs: `directions` maps each direction the op is timed in to the fewest
+    bytes it must move per element of them, in units of their element size:
+      fwd: the forward; bwd: the backward of a saved forward, torch.autograd.grad(outputs,
+      inputs, random gradients); fwd+bwd: forward and backward of a scalar loss as one step."""
+    pintail: Callable
+    torch: Callable
+    directions: dict
+    sizes: tuple                             # default sizes N (row length; sequence length for rotary)
+    rows: Callable = None                    # N -> M (default: --elements // N)
+    make: Callable = _matrix
+    unchecked: Callable = None               # pintail without its input checks (a 4th provider)
+    check_sizes: list = None                 # (M, N) for the CPU check (default CHECK_SIZES)
+
+
+def _hf_rotary(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (Llama), the eager and compile baseline."""
+    def rotate_half(x):
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((-second, first), dim=-1)
+    cos, sin = cos[None, None].to(q.dtype), sin[None, None].to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _ops():
+    import pintail
+    norm_sizes = (1024, 4096, 8192, 32768, 131072, 262144)
+
+    def class_targets(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype),), (torch.randint(0, N, (M,), device=device),)
+
+    def attention_heads(M, N, dtype, device):
+        """BENCHMARKS.md: q (8, 32, seq, 128), k (8, 8, seq, 128), (batch, heads, seq, dim); seq = N;
+        M caps the batch (small in the CPU check)."""
+        batch = min(M, 8)
+        q = torch.randn(batch, 32, N, 128, device=device, dtype=dtype)
+        k = torch.randn(batch, 8, N, 128, device=device, dtype=dtype)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device=device).float() / 128)
+        freqs = torch.outer(torch.arange(N, device=device).float(), inv_freq)
+        emb = torch.cat([freqs, freqs], -1)
+        return (q, k), (emb.cos(), emb.sin())
+
+    def rows_and_weight(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(N, device=device, dtype=dtype)), ()
+
+    def residual_rows_and_weight(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype),
+                torch.randn(N, device=device, dtype=dtype)), ()
+
+    def torch_rms_norm_residual(x, residual, w):
+        h = x + residual
+        return F.rms_norm(h, (h.shape[-1],), w), h
+
+    F = torch.nn.functional
+    return {
+        # bytes per element of x: read x, write y (fwd); read x, dy, write dx (bwd); the
+        # weight's N elements are not counted (small vectors ignored, BENCHMARKS.md)
+        "rms_norm": Op(lambda x, w: pintail.rms_norm(x, (x.shape[-1],), w),
+                       lambda x, w: F.rms_norm(x, (x.shape[-1],), w), {"fwd": 2, "bwd": 3}, norm_sizes,
+                       make=rows_and_weight),
+        "layer_norm": Op(lambda x, w: pintail.layer_norm(x, (x.shape[-1],), w, w),
+                         lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w), {"fwd": 2, "bwd": 3}, norm_sizes,
+                         make=rows_and_weight),
+        # per element of x and of the residual: read both, write y and h (fwd); read h, dy, dh,
+        # write dx (bwd; the residual's gradient is the same tensor)
+        "rms_norm_residual": Op(lambda x, r, w: pintail.rms_norm(x, (x.shape[-1],), w, residual=r),
+                                torch_rms_norm_residual, {"fwd": 2, "bwd": 2}, norm_sizes,
+                                make=residual_rows_and_weight),
+        "softmax": Op(lambda x: pintail.softmax(x, -1), lambda x: torch.softmax(x, -1),
+                      {"fwd": 2, "bwd": 3}, norm_sizes),
+        "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1),
+                          {"fwd": 2, "bwd": 3}, norm_sizes),
+        # BENCHMARKS.md: M = 4096 rows; 128256 and 151936 are real vocabularies (Llama 3, Qwen 2)
+        "cross_entropy": Op(pintail.cross_entropy, torch.nn.functional.cross_entropy,
+                            {"fwd": 1, "fwd+bwd": 3}, (32768, 128256, 131072, 151936, 262144),
+                            rows=lambda N: 4096, make=class_targets,
+                            unchecked=lambda x, t: pintail.cross_entropy(x, t, check_target=False)),
+        "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
+                     {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
+                     check_sizes=[(1, 3), (2, 17)]),
+    }
+
+
+DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary"]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, rms_norm, layer_norm, "
+                        "rms_norm_residual, rotary); default: "
+                        f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
+    p.add_argument("--directions", default=None,
+                   help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
+    p.add_argument("--sizes", default=None, help="comma-separated row lengths N (default: each op's own)")
+    p.add_argument("--elements", type=int, default=2**27, help="M*N per shape (default 2^27)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--providers", default="pintail,eager,compile", help="default %(default)s")
+    p.add_argument("--out", default="bench-out", help="folder for results.json and bandwidth.png")
+    return p.parse_args(argv)
+
+
+def _selected_ops(args, default):
+    ops = _ops()
+    names = list(ops) if (args.ops or default) == "all" else (args.ops or default).split(",")
+    unknown = [n for n in names if n not in ops]
+    if unknown:
+        raise SystemExit(f"unknown op(s) {unknown}; expected some of {list(ops)}")
+    return {n: ops[n] for n in names}
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _time_ms(fn):
+    from triton.testing import do_bench
+    gc.collect()  # no collector pause inside the timed region
+    torch.cuda.synchronize()
+    # 200 ms of warm-up, not do_bench's 25: the GPU's clocks fall while it idles (torch.compile
+    # compiling the previous provider), and the first shape timed after such a pause ran up
+    # to 1.5x slower (scripts/exp_host_gaps.py, docs/perf-notes.md).
+    return do_bench(fn, warmup=200, rep=100, return_mode="median")
+
+
+def _copy_bandwidth():
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = _time_ms(lambda: y.copy_(x))
+    del x, y
+    return 2 * 2**30 * 2 / (ms * 1e-3)
+
+
+def _outputs(y):
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _step(fn, direction, inputs, others):
+    """A zero-argument function that runs one timed step of `direction` (see Op)."""
+    if direction == "fwd":
+        return lambda: fn(*inputs, *others)
+    for t in inputs:
+        t.requires_grad_(True)
+    if direction == "fwd+bwd":
+        return lambda: torch.autograd.grad(fn(*inputs, *others), inputs)
+    outputs = _outputs(fn(*inputs, *others))
+    grads = [torch.randn_like(y) for y in outputs]
+    return lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+
+
+def benchmark(args):
+    import triton
+    # Inductor compiles in this process, not in a pool of workers that would go on using the
+    # CPU while later shapes are timed (host time shows in do_bench at these sizes).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    ops = _selected_ops(args, ",".join(DEFAULT_OPS))
+    dtype = DTYPES[args.dtype]
+    elem = torch.finfo(dtype).bits // 8
+    providers = args.providers.split(",")
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    copy_bw = _copy_bandwidth()
+    print(f"copy ceiling: {copy_bw / 1e12:.2f} TB/s (y.copy_(x), 2^30 bf16 elements)", flush=True)
+
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    wanted = args.directions.split(",") if args.directions else None
+    plan = [(name, d, N) for name, op in ops.items() for d in op.directions if wanted is None or d in wanted
+            for N in (sizes or op.sizes)]
+    results = []
+    for i, (name, direction, N) in enumerate(plan, 1):
+        op = ops[name]
+        M = op.rows(N) if op.rows else max(1, args.elements // N)
+        for provider in providers + (["pintail_unchecked"] if op.unchecked and "pintail" in providers else []):
+            torch._dynamo.reset()  # dynamic=False: one graph per shape, no recompile limit
+            fn = {"pintail": op.pintail, "pintail_unchecked": op.unchecked, "eager": op.torch,
+                  "compile": torch.compile(op.torch, dynamic=False)}[provider]
+            inputs, others = op.make(M, N, dtype, "cuda")
+            nbytes = sum(t.numel() for t in inputs) * elem * op.directions[direction]
+            ms = _time_ms(_step(fn, direction, inputs, others))
+            tbps = nbytes / (ms * 1e-3) / 1e12
+            results.append({"op": name, "direction": direction, "M": M, "N": N, "provider": provider,
+                            "ms": ms, "tbps": tbps, "fraction_of_copy": tbps * 1e12 / copy_bw})
+            print(f"[{i}/{len(plan)}] {name} {direction} M={M} N={N} {provider}: {ms:.4f} ms, "
+                  f"{tbps:.2f} TB/s, {tbps * 1e12 / copy_bw:.2f} of copy", flush=True)
+            del inputs, others
+        torch.cuda.empty_cache()
+
+    table = _table(results, list(dict.fromkeys(r["provider"] for r in results)))
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__, "dtype": args.dtype, "copy_tbps": copy_bw / 1e12,
+                   "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    _plot(results, copy_bw, os.path.join(args.out, "bandwidth.png"))
+    return 0
+
+
+def _table(results, providers):
+    """Markdown: per op, direction and N, each provider's fraction of copy bandwidth, and
+    pintail's time and speed-up over the better of eager and compile."""
+    by_key = {}
+    for r in results:
+        by_key.setdefault((r["op"], r["direction"], r["N"]), {})[r["provider"]] = r
+    head = ["op", "dir", "N"] + [f"{p} (frac)" for p in providers]
+    if "pintail" in providers:
+        head += ["pintail ms", "pintail TB/s", "speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (op, d, N), row in by_key.items():
+        cells = [op, d, str(N)] + [f"{row[p]['fraction_of_copy']:.2f}" if p in row else "-" for p in providers]
+        if "pintail" in providers:
+            others = [row[p]["ms"] for p in ("eager", "compile") if p in row]
+            speedup = f"{min(others) / row['pintail']['ms']:.2f}x" if others else "-"
+            cells += [f"{row['pintail']['ms']:.4f}", f"{row['pintail']['tbps']:.2f}", speedup]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(results, copy_bw, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'pintail[bench]')")
+        return
+    panels = sorted({(r["op"], r["direction"]) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (op, d) in zip(axes[0], panels):
+        rows = [r for r in results if r["op"] == op and r["direction"] == d]
+        for provider in dict.fromkeys(r["provider"] for r in rows):
+            pts = sorted((r["N"], r["tbps"]) for r in rows if r["provider"] == provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider)
+        ax.axhline(copy_bw / 1e12, color="gray", linestyle="--", label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (row length)")
+        ax.set_ylabel("TB/s")
+        ax.set_title(f"{op} {d}")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+# ------------------------------------------------------------------------------- CPU
+
+
+# relative error allowed, or twice torch's own error in the same dtype if that is larger
+CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _relative_error(a, b):
+    """|a - b| / |b|, with |b| at least 1e-3 per element's root: a truth that cancels to about
+    zero (an RMS norm's input gradient at N = 1) leaves rounding, not a relative error."""
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-3 * b.numel() ** 0.5)).item()
+
+
+def check_in_interpreter(args):
+    """Every op's kernels, forward and backward, in the Triton interpreter at small sizes."""
+    import pintail.reference
+    from ._launch import INTERPRET
+    assert INTERPRET, "the check must run the kernels in the interpreter"
+
+    def refuse(*a, **k):
+        raise RuntimeError("the torch reference ran instead of a kernel")
+
+    for name, value in vars(pintail.reference).items():  # a pass must come from a kernel
+        if callable(value) and getattr(value, "__module__", None) == pintail.reference.__name__:
+            setattr(pintail.reference, name, refuse)
+
+    print("No GPU: checking every kernel in the Triton interpreter against float64 torch.", flush=True)
+    rows, failures = [], 0
+    for name, op in _selected_ops(args, "all").items():
+        for dtype in CHECK_TOLERANCE:
+            for M, N in op.check_sizes or CHECK_SIZES:
+                inputs, others = op.make(M, N, dtype, "cpu")
+                t0 = time.time()
+                try:
+                    def run(fn, cast):  # outputs and input gradients, inputs cast first
+                        xs = tuple(cast(t).detach().requires_grad_() for t in inputs)
+                        ys = _outputs(fn(*xs, *others))
+                        return ys, torch.autograd.grad(ys, xs, [cast(g) for g in dys])
+                    dys = [torch.randn_like(y) for y in _outputs(op.torch(*inputs, *others))]
+                    ours = run(op.pintail, lambda t: t)
+                    truth = run(op.torch, lambda t: t.double())
+                    same = run(op.torch, lambda t: t)  # torch in the same dtype: the second bar
+                    errs = [max(_relative_error(a, b) for a, b in zip(o, t)) for o, t in zip(ours, truth)]
+                    bars = [max(CHECK_TOLERANCE[dtype], 2 * max(_relative_error(a, b) for a, b in zip(s_, t)))
+                            for s_, t in zip(same, truth)]
+                    ok = errs[0] <= bars[0] and errs[1] <= bars[1]
+                    detail = f"{errs[0]:.1e} / {errs[1]:.1e} (bar {bars[0]:.0e} / {bars[1]:.0e})"
+                except Exception as e:  # a crash is a failure to report, not to hide
+                    ok, detail = False, f"{type(e).__name__}: {e}"
+                failures += not ok
+                rows.append((name, str(dtype).replace("torch.", ""), f"{M}x{N}",
+                             "pass" if ok else "FAIL", detail, f"{time.time() - t0:.1f}s"))
+                print(f"{name} {rows[-1][1]} {M}x{N}: {rows[-1][3]}", flush=True)
+    print("\n| op | dtype | shape | result | rel. error fwd / bwd | time |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print(f"\n{len(rows) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+def main(argv=None):
+    args = _parse(argv)
+    if torch.cuda.is_available():
+        return benchmark(args)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # Kernels choose interpreter or compiler when defined: start again with it set.
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "pintail.bench", *(argv or sys.argv[1:])])
+    return check_in_interpreter(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

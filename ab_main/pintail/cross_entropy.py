@@ -1,0 +1,695 @@
+"""cross_entropy: Triton kernels, autograd, torch.library registration.
+
+The loss works on rows: logits x[M, V] (classes along a row) and a target per row. The
+kernels produce per-row results (the loss of each row and its log-sum-exp, lse). In eager
+mode a one-program kernel after the forward reduces them (sum, or mean over kept rows or
+their weights, in a fixed order) and the backward kernel takes the 0-d gradient and the
+mean's denominator; under torch.compile the reduction is traced
+torch ops and the backward kernel gets the gradient of each row's loss.
+
+Class-index targets, per row with target t, class weights w (all 1 without weights),
+W = sum(w), smoothing e, V classes, logp = x - lse, lse = m + log(sum_j exp(x_j - m)) with m
+the row's max (kept as the pair (m, log-sum) per row: x - m is exact where x is near m, so
+losses and probabilities stay accurate for logits of 1e4, as torch's log_softmax):
+    loss = (1 - e) * w_t * (lse - x_t) + (e / V) * (W * lse - sum_j w_j x_j) + z * lse^2
+    dloss/dx_k = p_k * ((1 - e) w_t + (e / V) W + 2 z lse) - (1 - e) w_t [k == t] - (e / V) w_k
+Probability targets y, smoothed y' = (1 - e) y + e / V, B = sum_j w_j y'_j:
+    loss = B * lse - sum_j w_j y'_j x_j + z * lse^2
+    dloss/dx_k = p_k * (B + 2 z lse) - w_k y'_k
+Softcap c: every logit is first c * tanh(x / c); the gradient gains a factor 1 - tanh^2.
+
+Bytes: the forward reads the logits once (one program per row, an online log-sum-exp with
+one exp per element: a scalar max per chunk, exp2 of pre-shifted logits); the backward reads
+them again and writes the gradient (a program per row and chunk). No (M, V) temporaries.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._launch import KERNEL_DTYPES, as_rows, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+@triton.jit
+def _softcapped(x, softcap):
+    """softcap * tanh(x / softcap), with tanh from exp2 (no libdevice in the interpreter)."""
+    return softcap * (1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E / softcap)) + 1.0))
+
+
+@triton.jit
+def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
+    """W = sum of the class weights: V without weights, else summed by torch on the device
+    (passed by pointer: reading it on the host would synchronise)."""
+    if HAS_WEIGHT:
+        return tl.load(weight_total_ptr)
+    return V * 1.0
+
+
+@triton.jit
+def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, ignore_index,
+                   REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr, BLOCK: tl.constexpr):
+    # sum / mean of the M row losses, one program, in a fixed order (deterministic), and for
+    # mean the kept rows' class weights. A launch of its own: when every row program of the
+    # forward counted its arrival with an acq_rel atomic for the last one to reduce, the
+    # forward at V = 32768 took 74.6 us instead of 65.8 (scripts/exp_ce_forward.py).
+    total = 0.0
+    denominator = 0.0
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_rows = rows < M
+        total += tl.sum(tl.load(loss_ptr + rows, mask=in_rows, other=0.0), axis=0)
+        if REDUCE == 2:
+            if PROB:  # probability targets: mean over rows
+                denominator += tl.sum(in_rows.to(tl.float32), axis=0)
+            else:
+                t = tl.load(target_ptr + rows, mask=in_rows, other=ignore_index).to(tl.int64)
+                kept = in_rows & (t != ignore_index)
+                if HAS_WEIGHT:
+                    denominator += tl.sum(tl.load(weight_ptr + t, mask=kept & (t >= 0) & (t < V),
+                                                  other=0.0).to(tl.float32), axis=0)
+                else:
+                    denominator += tl.sum(kept.to(tl.float32), axis=0)
+    if REDUCE == 2:
+        total = total / denominator  # all rows ignored: 0 / 0 = NaN, as torch
+        tl.store(denom_ptr, denominator)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _target_check_kernel(target_ptr, count_ptr, M, V, ignore_index, BLOCK: tl.constexpr):
+    # One program: how many class indices lie outside [0, V) and are not ignore_index (the
+    # eager check; the host waits for this kernel only, not for the forward behind it).
+    bad = 0
+    for start in range(0, M, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        t = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+        bad += tl.sum(((t != ignore_index) & ((t < 0) | (t >= V))).to(tl.int32), axis=0)
+    tl.store(count_ptr, bad)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _logits(x_row, cols, mask, softcap, SOFTCAP: tl.constexpr):
+    """A chunk of a row's logits in float32, softcapped if asked; -inf past the row's end."""
+    x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    if SOFTCAP:
+        x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
+    return x
+
+
+@triton.jit
+def _online_lse_step(x, running_max, running_sum):
+    """Fold a chunk into a running (max, sum of exp(x - max)): one exp per logit and one
+    rescale per chunk (a scalar max per chunk, not per lane)."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
+    running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+    return new_max, running_sum
+
+
+@triton.jit
+def _shifted_sum_step(total, seen, old_max, new_max, v, x):
+    """Fold a chunk into a running sum of v * (x - max), the terms so far shifted by
+    (old - new) when the max moves, and into the running sum of v (`seen`)."""
+    old = tl.where(old_max == -float("inf"), 0.0, old_max)
+    new = tl.where(new_max == -float("inf"), 0.0, new_max)
+    total = total + seen * (old - new) + tl.sum(tl.where(v != 0.0, v * (x - new), 0.0), axis=0)
+    return total, seen + tl.sum(v, axis=0)
+
+
+@triton.jit
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
+                    z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
+    # W = sum_j w_j), then the loss.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    running_max = -float("inf")
+    running_sum = 0.0
+    weighted_x = 0.0
+    weight_total = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
+        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
+        if SMOOTH:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                w = mask.to(tl.float32)
+            weighted_x, weight_total = _shifted_sum_step(weighted_x, weight_total, running_max, new_max, w, x)
+        running_max = new_max
+    log_sum = tl.log2(running_sum) * LN2
+    lse = running_max + log_sum
+
+    t = tl.load(target_ptr + row).to(tl.int64)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    x_t = tl.load(x_row + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        x_t = _softcapped(x_t, softcap)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
+    if SMOOTH:  # W * lse - sum_j w_j x_j
+        loss += smoothing / V * (weight_total * log_sum - weighted_x)
+    loss = tl.where(ignored, 0.0, loss)
+    loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
+    tl.store(loss_ptr + row, loss)
+    tl.store(stats_ptr + 2 * row, running_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
+
+
+@triton.jit
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
+                          smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
+    # B = sum_j w_j y'_j; loss = B * log-sum - A.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    running_max = -float("inf")
+    running_sum = 0.0
+    target_x = 0.0
+    mass = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
+        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
+        if HAS_WEIGHT:
+            y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # y = 0 drops x = -inf (torch's 0 * -inf would give NaN)
+        target_x, mass = _shifted_sum_step(target_x, mass, running_max, new_max, y, x)
+        running_max = new_max
+    log_sum = tl.log2(running_sum) * LN2
+    lse = running_max + log_sum
+    tl.store(loss_ptr + row, mass * log_sum - target_x + z_scale * lse * lse)
+    tl.store(stats_ptr + 2 * row, running_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
+    tl.store(mass_ptr + row, mass)
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
+    """d(returned loss)/d(row loss): grad[row] (reduction none: stride 1) or the scalar grad
+    (stride 0), divided by the mean's denominator."""
+    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    if MEAN:
+        g = g / tl.load(denom_ptr)
+    return g
+
+
+@triton.jit
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
+                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # One chunk of one row: read the logits again, write the gradient.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    t = tl.load(target_ptr + row).to(tl.int64)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    row_max = tl.load(stats_ptr + 2 * row)
+    log_sum = tl.load(stats_ptr + 2 * row + 1)
+    lse = row_max + log_sum
+    g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        capped = _softcapped(x, softcap)
+        x = capped
+    p = tl.exp2(((x - row_max) - log_sum) * LOG2E)
+    coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * lse
+    if SMOOTH:
+        coef += smoothing / V * _weight_total(weight_total_ptr, V, HAS_WEIGHT)
+    d = p * coef - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)
+    if SMOOTH:
+        if HAS_WEIGHT:
+            d -= smoothing / V * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            d -= smoothing / V
+    if SOFTCAP:
+        tanh = capped / softcap
+        d *= 1.0 - tanh * tanh
+    d = tl.where(ignored, 0.0, d * g)
+    d = tl.where(in_range | ignored, d, float("nan"))
+    tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
+                           x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
+                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    row_max = tl.load(stats_ptr + 2 * row)
+    log_sum = tl.load(stats_ptr + 2 * row + 1)
+    mass = tl.load(mass_ptr + row)
+    g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        capped = _softcapped(x, softcap)
+        x = capped
+    y = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (1.0 - smoothing) * y + smoothing / V
+    if HAS_WEIGHT:
+        y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.exp2(((x - row_max) - log_sum) * LOG2E) * (mass + 2.0 * z_scale * (row_max + log_sum)) - y
+    if SOFTCAP:
+        tanh = capped / softcap
+        d *= 1.0 - tanh * tanh
+    tl.store(dx_ptr + row * dx_row_stride + cols, (d * g).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ launch heuristics
+# BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
+# 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93.
+FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
+# One program each, a block of rows per step: the 4096-row reduction took 6.8 us in steps of
+# 1024 (a load latency each), the check of 4096 targets 2.8 us.
+REDUCE_BLOCK, REDUCE_WARPS = 4096, 8
+TARGET_CHECK_BLOCK = 1024
+BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
+
+
+def _block(V, block):
+    return min(block, max(16, next_power_of_2(V)))
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _weight_total_of(weight, placeholder):
+    """sum(weight) as a 1-element float32 tensor on the device; any tensor without weights."""
+    return weight.float().sum().reshape(1) if weight is not None else placeholder
+
+
+REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
+
+
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
+    """Per-row loss, (max, log-sum) pairs and (probability targets) target mass B, float32,
+    of x[M, V] (lse = max + log-sum); with reduction sum / mean also the reduced loss (0-d,
+    x's dtype) and the mean's denominator (float32), from a second one-program kernel."""
+    M, V = x.shape
+    device = x.device
+    loss = torch.empty(M, dtype=torch.float32, device=device)
+    stats = torch.empty(M, 2, dtype=torch.float32, device=device)
+    mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=device)
+    reduce = REDUCE_CODES[reduction]
+    out = torch.empty((), dtype=x.dtype, device=device) if reduce else loss
+    denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
+    if M == 0:
+        return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
+    has_weight = weight is not None
+    w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), num_warps=FORWARD_WARPS)
+    if prob_target:
+        launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
+               smoothing, z_scale, softcap, **common)
+    else:
+        launch(_forward_kernel, (M,), x, target, w, loss, stats, V, x.stride(0), ignore_index, smoothing, z_scale,
+               softcap, SMOOTH=smoothing > 0, **common)
+    if reduce:
+        launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
+               HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS)
+    return loss, stats, mass, out, denominator
+
+
+def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+             smoothing: float, z_scale: float, softcap: float, prob_target: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss, (max, log-sum) pair and (probability targets) target mass B, all
+    float32, of x[M, V]: lse = max + log-sum."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
+        return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+    return _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, "none")[:3]
+
+
+def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+              stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
+              softcap: float, prob_target: bool, inplace: bool, denominator: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """dloss/dx[M, V] from the gradient of each row's loss (grad of shape (M,)), or from the
+    gradient of their sum (a 0-d grad), or of their mean (0-d, with its denominator)."""
+    M, V = x.shape
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
+        return reference.cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing,
+                                                     z_scale, softcap, prob_target)
+    dx = x if inplace else torch.empty_like(x)
+    if M == 0 or V == 0:
+        return dx
+    has_weight = weight is not None
+    w = weight if has_weight else stats
+    block = _block(V, BACKWARD_BLOCK)
+    grid = (M, cdiv(V, block))
+    grad_stride = grad.stride(0) if grad.dim() else 0
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
+                  num_warps=BACKWARD_WARPS)
+    denominator = denominator if denominator is not None else stats
+    if prob_target:
+        launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
+               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
+               **common)
+    else:
+        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
+               x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
+               SMOOTH=smoothing > 0, **common)
+    return dx
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# As for softmax: eager calls take a plain autograd.Function (custom-op dispatch costs tens
+# of microseconds of host time); torch.compile reaches the same functions as custom ops.
+
+
+def _probability_target_grads(grad, x, y, weight, stats, smoothing, softcap, need_target, need_weight):
+    """(dloss/dy, dloss/dweight) for probability targets, in torch (an (M, V) temporary, made
+    only when the targets or the class weights require a gradient). Per row, with
+    lse - x' = (max - x') + log-sum and y' = (1 - e) y + e / V:
+        loss = sum_j w_j y'_j (lse - x'_j) + z lse^2
+        dloss/dy_j = (1 - e) w_j (lse - x'_j),   dloss/dw_j = y'_j (lse - x'_j)"""
+    x = x.float()
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    gap = ((stats[:, :1] - x) + stats[:, 1:]) * grad.float()[:, None]
+    dtarget = dweight = None
+    if need_target:
+        dtarget = gap * (1 - smoothing)
+        dtarget = (dtarget * weight.float() if weight is not None else dtarget).to(y.dtype)
+    if need_weight:
+        dweight = (gap * ((1 - smoothing) * y.float() + smoothing / x.shape[1])).sum(0).to(weight.dtype)
+    return dtarget, dweight
+
+
+class _Reduction:
+    """How the per-row losses become the returned loss: none (the target's shape), sum, or
+    mean (divided by the kept rows' summed class weights; by the row count for probability
+    targets). Also the derivative of that step, for the eager backward."""
+
+    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape):
+        self.reduction, self.batch_shape = reduction, batch_shape
+        self.target, self.weight, self.ignore_index, self.prob_target = target, weight, ignore_index, prob_target
+        self._denominator = None
+
+    def denominator(self):
+        """The mean's denominator, made when first asked (the eager kernels compute their own)."""
+        if self._denominator is None:
+            target, kept = self.target, self.target != self.ignore_index
+            if self.prob_target:
+                self._denominator = torch.full((), float(target.shape[0]), device=target.device)
+            elif self.weight is None:
+                self._denominator = kept.sum().float()
+            else:
+                self._denominator = (self.weight.float()[torch.where(kept, target, 0).long()] * kept).sum()
+        return self._denominator
+
+    def __call__(self, rows):
+        if self.reduction == "none":
+            return rows.reshape(self.batch_shape)
+        return rows.sum() if self.reduction == "sum" else rows.sum() / self.denominator()
+
+    def row_gradients(self, grad, M):
+        if self.reduction == "none":
+            return grad.reshape(M)
+        return (grad if self.reduction == "sum" else grad / self.denominator()).float().expand(M)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Eager path: the kernels and the reduction as one autograd node. sum and mean are
+    reduced by one kernel after the forward and un-reduced inside the backward kernel: a
+    chain of small torch ops costs more host time than the kernels at LM sizes."""
+
+    @staticmethod
+    def forward(ctx, x, target, weight, options, reduce, inplace):
+        fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and reduce.reduction != "none"
+        if fused:
+            _, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction)
+            denominator = denominator if reduce.reduction == "mean" else None
+        else:
+            rows, stats, mass = _forward(x, target, weight, *options)
+            loss, denominator = reduce(rows).to(x.dtype), None
+        ctx.save_for_backward(x, target, weight, stats, mass, denominator)
+        ctx.options, ctx.reduce, ctx.inplace, ctx.fused = options, reduce, inplace, fused
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        x, target, weight, stats, mass, denominator = ctx.saved_tensors
+        dtarget = dweight = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # first: they read the logits, which an
+            grad_rows = ctx.reduce.row_gradients(grad, x.shape[0])  # in-place dx overwrites
+            dtarget, dweight = _probability_target_grads(grad_rows, x, target, weight, stats, ctx.options[1],
+                                                         ctx.options[3], *ctx.needs_input_grad[1:3])
+        if ctx.fused and ctx.reduce.reduction != "none":  # the kernel un-reduces the scalar grad itself
+            dx = _backward(grad, x, target, weight, stats, mass, *ctx.options, ctx.inplace, denominator)
+        else:
+            dx = _backward(ctx.reduce.row_gradients(grad, x.shape[0]), x, target, weight, stats, mass,
+                           *ctx.options, ctx.inplace)
+        if ctx.inplace:
+            # The kernel wrote over the logits behind autograd's back: any other node that saved
+            # them now raises autograd's "modified by an inplace operation" instead of
+            # computing with the gradient's values.
+            torch.autograd.graph.increment_version(x)
+        return no_second_derivative((dx, dtarget, dweight, None, None, None), x, target, weight, grad)
+
+
+_forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
+    M = x.shape[0]
+    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, 2, dtype=torch.float32),
+            x.new_empty(M if prob_target else 0, dtype=torch.float32))  # loss, (max, log-sum), mass
+
+
+def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                         stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float,
+                         z_scale: float, softcap: float, prob_target: bool) -> torch.Tensor:
+    return _backward(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap,
+                     prob_target, inplace=False)
+
+
+_backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backward_no_inplace, mutates_args=())
+
+
+@_backward_op.register_fake
+def _(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap, prob_target):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    x, target, weight, *options = inputs
+    _, stats, mass = output
+    ctx.save_for_backward(x, target, weight, stats, mass)
+    ctx.options = tuple(options)
+
+
+def _backward_of_op(ctx, grad, _stats, _mass):
+    x, target, weight, stats, mass = ctx.saved_tensors
+    dx = _backward_op(grad, x, target, weight, stats, mass, *ctx.options)
+    dtarget = dweight = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        dtarget, dweight = _probability_target_grads(grad, x, target, weight, stats, ctx.options[1], ctx.options[3],
+                                                     *ctx.needs_input_grad[1:3])
+    return dx, dtarget, dweight, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+def _loss_and_stats(x, target, weight, options, reduce, inplace):
+    """(the reduced loss in x's dtype, (max, log-sum) per row). Under torch.compile through the custom
+    ops, with the reduction as traced torch ops (and the gradient never written in place)."""
+    if torch.compiler.is_compiling():
+        rows, stats, _ = _forward_op(x, target, weight, *options)
+        return reduce(rows).to(x.dtype), stats
+    return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    """Validate the arguments as torch does; returns whether targets are probabilities."""
+    name = "pintail.cross_entropy"
+    if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name}: input and target must be tensors, got {type(input).__name__} and "
+                        f"{type(target).__name__}")
+    if not input.dtype.is_floating_point:
+        raise TypeError(f"{name}: input must be floating point logits, got dtype {input.dtype}")
+    if input.dim() == 0:
+        raise ValueError(f"{name}: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d tensor")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"{name}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{name}: softcap must be None or > 0, got {softcap}")
+    if target.device != input.device:
+        raise ValueError(f"{name}: target is on {target.device}, expected input's device {input.device}")
+    C = input.shape[0] if input.dim() == 1 else input.shape[1]
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or weight.shape != (C,):
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{name}: weight must have shape ({C},), one per class, got {shape}")
+        if weight.device != input.device:
+            raise ValueError(f"{name}: weight is on {weight.device}, expected input's device {input.device}")
+        if not weight.dtype.is_floating_point:
+            raise TypeError(f"{name}: weight must be floating point, got dtype {weight.dtype}")
+    prob_target = target.dtype.is_floating_point
+    if prob_target:
+        if target.shape != input.shape:
+            raise ValueError(f"{name}: probability targets must have the input's shape {tuple(input.shape)}, "
+                             f"got {tuple(target.shape)}")
+        if ignore_index != -100:
+            raise ValueError(f"{name}: ignore_index is not supported for probability (floating point) "
+                             f"targets, got ignore_index={ignore_index}")
+    else:
+        if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+            raise TypeError(f"{name}: class-index targets must be int64, int32 or uint8, got {target.dtype}")
+        expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+        if tuple(target.shape) != expected:
+            raise ValueError(f"{name}: target must have shape {expected} for input of shape "
+                             f"{tuple(input.shape)}, got {tuple(target.shape)}")
+    return prob_target
+
+
+def _check_target_values(target, C, ignore_index):
+    """Raise on a class index outside [0, C) that is not ignore_index. This reads the
+    targets on the host: one synchronisation."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= C))
+    if bad.any():
+        position = int(bad.nonzero()[0, 0])
+        raise IndexError(f"pintail.cross_entropy: target[{position}] = {int(target[position])} is out of "
+                         f"bounds: expected a class index in [0, {C}) or ignore_index ({ignore_index})")
+
+
+class _TargetCheck:
+    """The eager check of class indices, in two steps around the forward launch: making one
+    launches a one-program kernel that counts the bad targets, copies the count to pinned
+    host memory and records an event; finish() waits for that event (the forward kernel,
+    launched in between, keeps running) and, if a target is bad, names it."""
+
+    def __init__(self, target, C, ignore_index):
+        self.target, self.C, self.ignore_index = target, C, ignore_index
+        self.count = torch.empty(1, dtype=torch.int32, device=target.device)
+        launch(_target_check_kernel, (1,), target, self.count, target.numel(), C, ignore_index,
+               BLOCK=TARGET_CHECK_BLOCK, num_warps=4)
+        self.done = None
+        if target.is_cuda:
+            device_count, self.count = self.count, torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self.count.copy_(device_count, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(target.device))  # the kernel's and the copy's stream
+
+    def bad_targets(self) -> int:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.count.item()
+
+    def finish(self):
+        if self.bad_targets():
+            _check_target_values(self.target, self.C, self.ignore_index)
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                  z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
+                  check_target=True):
+    """torch.nn.functional.cross_entropy, with Triton kernels on CUDA, plus extras.
+
+    Takes what torch takes: input (C), (N, C) or (N, C, d1, ...) with classes on dim 1;
+    class-index targets (int64, int32 or uint8) or class-probability targets (floating point,
+    the input's shape); weight, ignore_index, reduction, label_smoothing. Returns what torch
+    returns, in the input's dtype (computed in float32).
+
+    Keyword-only extras:
+    - z_loss: adds z_loss * lse^2 for every kept row (lse: the row's log-sum-exp), reduced
+      with the loss (mean: by the same denominator).
+    - softcap: logits become softcap * tanh(logits / softcap) first; the gradient goes through.
+    - return_z_loss / return_lse: also return the z-loss term alone (reduced as the loss) and
+      the float32 log-sum-exp of each row (target's shape), both without gradient, in that
+      order after the loss: (loss, z_loss, lse).
+    - inplace_backward: write the gradient into the logits' storage instead of a new tensor.
+      Saves the (N, C) gradient's memory; the logits hold the gradient after backward, so use
+      it only when nothing reads them afterwards. Another autograd node that saved the logits
+      and runs its backward later raises autograd's "modified by an inplace operation" error.
+      Leaf logits (made by the caller, not by an op) are never overwritten, and under
+      torch.compile the gradient gets its own tensor.
+    - check_target: in eager mode an out-of-range class index raises IndexError. A
+      one-program kernel counts such targets before the forward; the host waits for that
+      kernel only (not for the forward, which is launched before the wait), and scans the
+      targets to name the bad one only when the count is not 0. With check_target=False, under
+      torch.compile and while a CUDA graph is being captured there is no check: the kernels
+      never read out of bounds, and a row with an out-of-range target gets a NaN loss and a
+      NaN gradient, so the error shows in the loss.
+
+    Rows of (N, C, d1, ...) inputs are gathered into an (N*d1*..., C) copy (classes are not
+    contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
+    """
+    prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if not prob_target and weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("pintail.cross_entropy: not differentiable with respect to weight for class-index "
+                           "targets (as torch's nll_loss); pass a weight that does not require grad")
+    softcap = 0.0 if softcap is None else softcap  # 0: none, for the kernels
+    C = input.shape[0] if input.dim() == 1 else input.shape[1]
+    batch_shape = target.shape if not prob_target else (input.shape[:1] + input.shape[2:] if input.dim() > 1 else ())
+    class_dim = 1 if input.dim() > 1 else 0
+    x = as_rows(input, class_dim)
+    if prob_target:
+        t = as_rows(target, class_dim)
+    else:  # the kernels index targets and weights with unit stride
+        t = (target if target.dim() == 1 else target.reshape(-1)).contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    target_check = None
+    if not prob_target:
+        tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
+        if check_target and not tracing and t.numel() > 0:
+            if runs_kernels(x) and x.dtype in KERNEL_DTYPES:
+                target_check = _TargetCheck(t, C, ignore_index)
+            else:
+                _check_target_values(t, C, ignore_index)
+    options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
+    reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
+    # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
+    loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
+    if target_check is not None:
+        target_check.finish()
+    outputs = [loss]
+    lse = stats.detach().sum(1) if return_z_loss or return_lse else None
+    if return_z_loss:
+        kept = torch.ones_like(lse) if prob_target else (t != ignore_index).float()
+        outputs.append(reduce(z_loss * lse**2 * kept).to(input.dtype))
+    if return_lse:
+        outputs.append(lse.reshape(batch_shape))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

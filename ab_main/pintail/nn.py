@@ -1,0 +1,49 @@
+"""Drop-in nn.Module versions of the ops: same constructor arguments as torch.nn."""
+
+import torch
+
+from .cross_entropy import cross_entropy
+from .norm import layer_norm, rms_norm
+from .softmax import log_softmax, softmax
+
+
+class Softmax(torch.nn.Softmax):
+    """torch.nn.Softmax running pintail.softmax."""
+
+    def forward(self, input):
+        return softmax(input, self.dim)
+
+
+class LogSoftmax(torch.nn.LogSoftmax):
+    """torch.nn.LogSoftmax running pintail.log_softmax."""
+
+    def forward(self, input):
+        return log_softmax(input, self.dim)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """torch.nn.CrossEntropyLoss running pintail.cross_entropy; the keyword-only extras of
+    pintail.cross_entropy (z_loss, softcap, inplace_backward) can be set at construction."""
+
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                 label_smoothing=0.0, *, z_loss=0.0, softcap=None, inplace_backward=False):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.z_loss, self.softcap, self.inplace_backward = z_loss, softcap, inplace_backward
+
+    def forward(self, input, target):
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
+                             z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm running pintail.rms_norm (same constructor, same state dict)."""
+
+    def forward(self, input):
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm running pintail.layer_norm (same constructor, same state dict)."""
+
+    def forward(self, input):
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -1,0 +1,918 @@
+"""rms_norm and layer_norm: Triton kernels, autograd, torch.library registration.
+
+Per row of N features (RMS: mean = 0), with w_eff = weight + weight_offset:
+    rstd = 1 / sqrt(mean((x - mean)^2) + eps),  x^ = (x - mean) * rstd,  y = x^ * w_eff + bias
+Backward, with g = dy * w_eff:
+    dx = rstd * (g - x^ * mean(g x^))                (RMS)
+    dx = rstd * (g - mean(g) - x^ * mean(g x^))      (LayerNorm)
+    dweight = sum over rows of dy * x^,  dbias = sum over rows of dy
+A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
+gradient reaching h from downstream adds to dx (and is also the residual's gradient).
+
+Kernels, four plans by row length N (tables at the end of the kernels):
+- rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
+  the backward is persistent, each program walking a fixed set of row tiles, writing dx
+  and keeping dweight / dbias of its rows in registers, written once as a partial row.
+- long: a program per row in two passes (statistics, then the output), the second pass
+  re-reading the row (also RMSNorm's forward of rows of 513-8192, as one chunk); the
+  backward (LayerNorm) on a grid of (row blocks x column chunks), each program keeping its
+  chunk's dweight / dbias in registers, after a first small kernel has computed each row's
+  sums mean(g x^), mean(g) (x and dy are read twice).
+- split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
+  publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
+  x read from HBM once, y written once.
+- blocks (RMSNorm backward, rows past the rows plan): ticket-ordered (block of rows, slice)
+  pairs; a block's slices exchange each row's sum of g x^ and write dx from registers: x
+  and dy read once, dx written once.
+The backward's partial rows of dweight / dbias are summed in a fixed order by one more
+kernel (deterministic: no atomics), which writes them in the parameters' dtypes.
+Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
+and sum(g)/1 must be g exactly (the LayerNorm gradient of a row of one element is 0).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _split as split, reference
+from ._launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative,
+                      program_slots, row_alignment, runs_kernels, unit_stride)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n,
+                         x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                         RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ALIGN: tl.constexpr):
+    # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
+    # from deviations about the mean (two passes over registers, not over HBM). A program
+    # per tile: a persistent grid that loaded the weight once measured 0.05 lower.
+    if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
+        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
+            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if not RMS:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
+        pilot = tl.load(x_ptr + rows * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
+        x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        h = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * h_row_stride + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    if RMS:
+        centred = x
+        var = tl.sum(x * x, axis=1) * inv_n
+    else:
+        squares, sums = _shifted_sums(x, pilot[:, None], mask, 1)
+        shifted_mean, var, flagged = _moments(squares, sums, inv_n)
+        mean = pilot + shifted_mean
+        if tl.max(flagged.to(tl.int32), axis=0) > 0:  # rare: the deviations, from the registers
+            deviations, drift = _deviation_sums(x, mean[:, None], mask, 1)
+            exact_mean, exact_var = _corrected(mean, deviations, drift, inv_n)
+            mean = tl.where(flagged, exact_mean, mean)
+            var = tl.where(flagged, exact_var, var)
+        centred = x - mean[:, None]
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    y = centred * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] + weight_offset
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
+                    x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                    RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
+    # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
+    # residual, pass 2 reads the h just stored: no hints there (not measured).
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride = _aligned(
+            N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN)
+    keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
+    drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
+    row = tl.program_id(0).to(tl.int64)
+    # pass 1: statistics (and h = x + residual, written once); LayerNorm's as in the rows
+    # plan (_shifted_sums), chunk by chunk, and for a flagged row (_moments) a pass more
+    # over the chunks, from L2.
+    pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)  # LayerNorm's (which takes no residual)
+    squares = 0.0  # RMS: of x; LayerNorm: of s = x - pilot
+    sums = 0.0  # LayerNorm: of s
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
+        if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
+            x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            h = x.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * h_row_stride + cols, h, mask=mask)
+            x = h.to(tl.float32)
+        if RMS:
+            squares += tl.sum(x * x, axis=0)
+        else:
+            chunk_squares, chunk_sums = _shifted_sums(x, pilot, mask, 0)
+            squares += chunk_squares
+            sums += chunk_sums
+    shifted_mean, var, flagged = _moments(squares, sums, inv_n)
+    mean = pilot + shifted_mean
+    if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
+        deviations = 0.0
+        drift = 0.0
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
+            chunk_deviations, chunk_drift = _deviation_sums(x, mean, mask, 0)
+            deviations += chunk_deviations
+            drift += chunk_drift
+        mean, var = _corrected(mean, deviations, drift, inv_n)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    if not RMS:
+        tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    # pass 2: the output
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_RESIDUAL:  # h as stored, so that forward and backward see the same rounding
+            x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=drop).to(tl.float32)
+        y = (x - mean) * rstd if not RMS else x * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _aligned(N, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, ALIGN: tl.constexpr):
+    """The same values, written as multiples of ALIGN so that the compiler's alignment
+    analysis sees them as such (tl.multiple_of on a kernel's scalar argument does not reach
+    it: the loads stayed 2-byte wide, sm_90)."""
+    return ((N // ALIGN) * ALIGN, (x_row_stride // ALIGN) * ALIGN, (residual_row_stride // ALIGN) * ALIGN,
+            (h_row_stride // ALIGN) * ALIGN, (y_row_stride // ALIGN) * ALIGN)
+
+
+@triton.jit
+def _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, mask, x_row_stride, residual_row_stride,
+                     HAS_RESIDUAL: tl.constexpr):
+    """x, or h = x + residual rounded to h's dtype, in float32: what the norm normalises."""
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _pair_sums(a, b, axis: tl.constexpr):
+    """(sum a, sum b) over `axis` as one reduction: one round of barriers on the GPU, where
+    two sums take two. The interpreter runs a reduction with its own combine as a Python
+    loop in element order (float32 error ~N ulps, where the GPU's tree has ~log N; and
+    slow), so there the pair is two tl.sum, numpy's pairwise sums, as accurate as the tree."""
+    if _INTERPRETED:
+        return tl.sum(a, axis), tl.sum(b, axis)
+    else:
+        return tl.reduce((a, b), axis, _add_pairs)
+
+
+@triton.jit
+def _shifted_sums(x, pilot, mask, axis: tl.constexpr):
+    """LayerNorm's (sum s^2, sum s) of s = x - pilot (the row's first value, a shift that
+    keeps a large mean from swamping the spread) over `axis`, in x's dtype (float32; the
+    split plan's float64), as one reduction (one round of barriers; two sums took two).
+    In float32, E[s^2] - E[s]^2 still cancels when the values sit far from the pilot
+    against their spread (a first value that stands out): _moments flags those rows. The
+    output centres x itself, x - mean: s rounds at the scale of x - pilot, which for those
+    rows is the outlier's."""
+    s = tl.where(mask, x - pilot, 0.0)
+    return _pair_sums(s * s, s, axis)
+
+
+@triton.jit
+def _moments(squares, sums, inv_count):
+    """(mean, biased variance) of s from its sums, and whether E[s^2] - E[s]^2 cancelled
+    past 3 bits (E[s^2] > 8 var: a first value more than ~2.6 standard deviations from the
+    mean, ~1 % of rows of normal values). A flagged row takes _deviation_sums. Float64 sums
+    instead (exact for every row) cost 0.05-0.15 of copy (docs/perf-notes.md, session 9)."""
+    mean = sums * inv_count
+    var = tl.maximum(squares * inv_count - mean * mean, 0.0)
+    return mean, var, squares * inv_count > 8.0 * var
+
+
+@triton.jit
+def _deviation_sums(x, mean, mask, axis: tl.constexpr):
+    """(sum d^2, sum d) of d = x - mean, the first estimate of the mean: E[d] ~ 0, so they
+    cannot cancel (the corrected two-pass form)."""
+    d = tl.where(mask, x - mean, 0.0)
+    return _pair_sums(d * d, d, axis)
+
+
+@triton.jit
+def _corrected(mean, squares, sums, inv_count):
+    """(mean, variance) from the deviations' sums: sum d also mends the first mean, whose
+    float32 sum of large s was off by ~1e-6 of it."""
+    correction = sums * inv_count
+    return mean + correction, tl.maximum(squares * inv_count - correction * correction, 0.0)
+
+
+@triton.jit
+def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N,
+                          inv_n, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                          SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # Ticket-ordered slices (pintail/_split.py). Each slice publishes, RMS: (sum x^2, 1.0);
+    # LayerNorm: (sum of squared deviations from the slice's own mean, sum x), from float64
+    # sums of s = x - first (the row's first value); the first word with its lowest mantissa
+    # bit set so that it is never 0 (it adds one ulp, or 1.4e-45 to a zero). The waiter
+    # merges them (Chan et al.): a sum of squares that cannot cancel, and a mean of x itself,
+    # not first + mean(s), which would round at the scale of x - first. The
+    # lagged write recomputes h = x + residual from its inputs (from L2) rather than
+    # re-reading the h just stored by another program, which would need a release / acquire
+    # pair to be visible.
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        new = (cols < N) & (row < M)
+        old = (cols < N) & (done >= 0)
+        if HAS_RESIDUAL:
+            x_new = _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, new, x_row_stride, residual_row_stride,
+                                     HAS_RESIDUAL)
+            x_old = _load_normalised(x_ptr, residual_ptr, h_ptr, done, cols, old, x_row_stride, residual_row_stride,
+                                     HAS_RESIDUAL)
+        else:  # held in the input's dtype until used: LayerNorm at 4 warps takes 128 registers, not 168
+            x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=0.0)
+            x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0)
+        if not RMS:  # the row's first value (the shift), issued with the slices' loads
+            first = tl.load(x_ptr + row * x_row_stride, mask=row < M, other=0.0).to(tl.float64)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        if row < M:
+            if HAS_RESIDUAL:
+                tl.store(h_ptr + row * h_row_stride + cols, x_new.to(h_ptr.dtype.element_ty), mask=new)
+            if RMS:
+                x32 = x_new.to(tl.float32)
+                split.publish(slots_ptr, ticket, tl.sum(x32 * x32, axis=0), tl.full((), 1.0, tl.float32))
+            else:
+                # float64 sums here (exact for every slice): the flagged form measured 0.03-0.05 lower
+                squares, sums = _shifted_sums(x_new.to(tl.float64), first, new, 0)
+                count = tl.minimum(N - (ticket % SLICES) * BLOCK, BLOCK).to(tl.float64)
+                deviations = tl.maximum(squares - sums * sums / count, 0.0).to(tl.float32)
+                deviations = (deviations.to(tl.int32, bitcast=True) | 1).to(tl.float32, bitcast=True)
+                split.publish(slots_ptr, ticket, deviations, (sums + count * first).to(tl.float32))
+        if done >= 0:
+            squares, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            if RMS:
+                centred = x_old.to(tl.float32)
+                var = tl.sum(tl.where(valid, squares, 0.0), axis=0) * inv_n
+            else:  # squares: each slice's squared deviations from its own mean
+                counts = tl.maximum(tl.minimum(N - tl.arange(0, SLICES_POW2) * BLOCK, BLOCK), 1).to(tl.float32)
+                mean = tl.sum(tl.where(valid, sums, 0.0), axis=0) * inv_n
+                between = tl.where(valid, sums / counts - mean, 0.0)
+                var = tl.sum(tl.where(valid, squares, 0.0) + counts * between * between, axis=0) * inv_n
+                centred = x_old.to(tl.float32) - mean
+                tl.store(mean_ptr + done, mean, mask=ticket % SLICES == 0)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
+            y = centred * rstd
+            if HAS_WEIGHT:
+                y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                          x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
+                          RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
+    # order, so dweight / dbias come out the same on every run), writes their dx and keeps
+    # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
+    # The next tile's x and dy are loaded before this tile is computed and stored, so that
+    # a program always has reads in flight (few programs fit on an SM at these registers).
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    tiles = tl.cdiv(M, BLOCK_M)
+    step = tl.num_programs(0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)
+    x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    for tile in range(tl.program_id(0), tiles, step):
+        x = x_next.to(tl.float32)
+        dy = dy_next.to(tl.float32)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        following = rows + step * BLOCK_M
+        next_mask = (following < M)[:, None] & col_mask[None, :]
+        x_next = tl.load(x_ptr + following[:, None] * x_row_stride + cols[None, :], mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=next_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        if RMS:
+            x_hat = x * rstd
+        else:
+            x_hat = tl.where(mask, x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None], 0.0) * rstd
+        g = dy * w_eff if HAS_WEIGHT else dy
+        if RMS:
+            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
+        elif BLOCK_N <= 4096:  # one reduction, one round of barriers: 0.87 of copy at 4096, 0.80 with two
+            sum_gx, sum_g = _pair_sums(g * x_hat, g, 1)
+            dx = g - x_hat * (sum_gx * inv_n)[:, None] - (sum_g * inv_n)[:, None]
+        else:  # at 8192 (16 warps a row) two sums measured 0.76, one reduction 0.73
+            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None] - (tl.sum(g, axis=1) * inv_n)[:, None]
+        dx *= rstd
+        if HAS_DH:
+            dx += tl.load(dh_ptr + rows[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        db += dy
+    part = tl.program_id(0).to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + part, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_n, x_row_stride, dy_row_stride,
+                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
+    row = tl.program_id(0).to(tl.int64)
+    mean = 0.0 if RMS else tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    sum_gx = 0.0
+    sum_g = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_WEIGHT)
+        x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
+        sum_gx += tl.sum(g * x_hat, axis=0)
+        sum_g += tl.sum(g, axis=0)
+    tl.store(sums_ptr + 2 * row, sum_gx * inv_n)
+    tl.store(sums_ptr + 2 * row + 1, sum_g * inv_n)
+
+
+@triton.jit
+def _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_WEIGHT: tl.constexpr):
+    g = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    return g
+
+
+@triton.jit
+def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
+                            M, N, inv_n, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
+                            weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row block, column chunk): dx of the chunk for each row of the block, and the
+    # chunk's dweight / dbias summed over the block.
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    first = block * rows_per_program
+    for i in range(0, rows_per_program):
+        row = (first + i).to(tl.int64)
+        if row < M:
+            mean = 0.0 if RMS else tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
+            dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy * w_eff if HAS_WEIGHT else dy
+            if ONE_CHUNK:
+                mean_gx = tl.sum(g * x_hat, axis=0) * inv_n
+                mean_g = tl.sum(g, axis=0) * inv_n
+            else:
+                mean_gx = tl.load(sums_ptr + 2 * row)
+                mean_g = tl.load(sums_ptr + 2 * row + 1)
+            if RMS:
+                dx = rstd * (g - x_hat * mean_gx)
+            else:
+                dx = rstd * (g - mean_g - x_hat * mean_gx)
+            if HAS_DH:
+                dx += tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + block.to(tl.int64) * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + block.to(tl.int64) * N + cols, db, mask=mask)
+
+
+@triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 (the interpreter's) fails to compile
+def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                            SLICES, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
+                            HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # RMSNorm, rows too long for one program: x and dy read from HBM once (the long plan
+    # reads them twice). Ticket t (an atomic counter, as in pintail/_split.py) is slice
+    # t % SLICES of the block of ROWS rows t // SLICES. The SLICES programs holding a block
+    # meet at each of its rows: each publishes its slice's sum of g x^ (the next row's before
+    # it waits for this one's), waits for the other slices' and writes its slice of dx from
+    # registers. dweight / dbias of the slice add up over the block's rows in registers: one
+    # float32 partial row per block (4 / ROWS bytes per element written and read again).
+    # A program takes a new ticket only when its block is done, so a wait can stall only on
+    # the newest block, whose missing tickets go to the next programs to finish: no deadlock
+    # while SLICES programs can run at once (the host keeps SLICES <= the SMs).
+    end = tl.cdiv(M, ROWS) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        block = ticket // SLICES
+        slice_index = ticket % SLICES
+        cols = slice_index * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_WEIGHT:
+            w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+        else:
+            w_eff = tl.full([BLOCK], 1.0, tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        row = block * ROWS
+        last = tl.minimum(row + ROWS, M)
+        x_raw = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+        _publish_sum_gx(slots_ptr, x_raw, dy_raw, w_eff, rstd_ptr, row, SLICES, slice_index)
+        while row < last:
+            next_row = row + 1
+            more = next_row < last
+            x_next = tl.load(x_ptr + next_row * x_row_stride + cols, mask=mask & more, other=0.0)
+            dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask & more, other=0.0)
+            if more:
+                _publish_sum_gx(slots_ptr, x_next, dy_next, w_eff, rstd_ptr, next_row, SLICES, slice_index)
+            if HAS_DH:  # issued before the wait, which hides its latency
+                dh = tl.load(dh_ptr + row * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            _, sums_gx, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x_raw.to(tl.float32) * rstd
+            dy = dy_raw.to(tl.float32)
+            dx = rstd * (dy * w_eff - x_hat * (tl.sum(tl.where(valid, sums_gx, 0.0), axis=0) * inv_n))
+            if HAS_DH:
+                dx += dh
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            db += dy
+            row, x_raw, dy_raw = next_row, x_next, dy_next
+        if HAS_WEIGHT:
+            tl.store(dw_ptr + block * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_ptr + block * N + cols, db, mask=mask)
+        ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _publish_sum_gx(slots_ptr, x_raw, dy_raw, w_eff, rstd_ptr, row, SLICES, slice_index):
+    """(1.0, sum of g x^ over the slice) for the slice's word of `row` (1.0: never 0)."""
+    g = dy_raw.to(tl.float32) * w_eff
+    sum_gx = tl.sum(g * x_raw.to(tl.float32), axis=0) * tl.load(rstd_ptr + row)
+    split.publish(slots_ptr, row * SLICES + slice_index, tl.full((), 1.0, tl.float32), sum_gx)
+
+
+@triton.jit
+def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, HAS_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dweight / dbias: the backward's float32 partial rows summed in a fixed order (the same
+    # result on every run) and written in the parameters' dtypes. One launch instead of a
+    # sum and a cast per gradient, which cost ~25 us of host time each on the autograd
+    # engine's thread (scripts/exp_norm_partials.py).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, parts, PARTS_BLOCK):
+        rows = start + tl.arange(0, PARTS_BLOCK)
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        mask = (rows < parts)[:, None] & in_cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.sum(tl.load(dw_parts_ptr + offsets, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(tl.load(db_parts_ptr + offsets, mask=mask, other=0.0), axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=in_cols)
+    if HAS_BIAS:
+        tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=in_cols)
+
+
+# ------------------------------------------------------------------ launch heuristics
+# The forward's plans per kind, by row length: (row length up to, plan, size, warps), where
+# size is the rows plan's elements a tile at least (whole rows, BLOCK_M of them) and the
+# long plan's chunk. Past the last entry: the split plan. Measured on the H200 (kernel
+# alone, bf16; scripts/tune_norm.py, docs/perf-notes.md).
+# - RMSNorm from 513 to 8192: the long plan with the row as one chunk (pass 1 marks its
+#   loads evict_last, pass 2 re-reads the row from L1 / L2), as torch.compile's kernel at
+#   8192: 0.97 / 0.97 / 0.96 at 1024 / 4096 / 8192 against the rows plan's 0.95 / 0.95 /
+#   0.93-0.94 (it holds the tile in registers: fewer warps in flight). LayerNorm's long plan
+#   did not beat its rows plan there.
+# - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
+#   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
+#   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
+#   row flagged for the exact statistics), where its rows plan (a 32768-wide tile) gave
+#   0.67 / 0.78 (0.65 at 32768 flagged). 16384-element chunks lose where the second is
+#   mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past 32768 the second read misses
+#   L2 and the split plan wins.
+# - RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
+#   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
+FORWARD_PLANS = {
+    "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
+            (16384, "rows", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 16)],
+    "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
+    "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
+              (32768, "long", 16384, 16)]}
+# The backward's rows plans: (row length up to, elements a tile at least, warps, programs
+# per SM); past the last entry the long or blocks plan (below).
+BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
+                 "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
+# The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
+# 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
+# waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
+# once (session 5), a full round 0.67. LayerNorm at 4 warps takes 128 registers (4 per SM)
+# now that slices stay in bf16 until used: 0.73-0.75 of copy alone, against 0.68-0.70 at its
+# former 8 warps (80 registers: 3 per SM where 4 were counted).
+FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1},
+                 "rms+residual": {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2,
+                                  "LAG_ROUNDS": 1},
+                 "layer": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}}
+BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
+# RMSNorm past its rows plan: x and dy read once (0.60-0.64 of copy against the long plan's
+# 0.56 at N = 32768-262144, scripts/exp_norm_blocks_backward.py). LayerNorm keeps the long
+# plan: its blocks kernel (two sums a row, the mean) measured 0.42-0.49 at 168-176 registers.
+BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 4}}
+# With the residual's gradient dh (a third read; 166 registers at 2048 / 4 warps, so 3
+# programs per SM where 4 are counted), longer slices on fewer programs past 65536 (kernel
+# alone, H200, bf16): 0.70 at 131072 (4096 / 8 warps, 2 per SM; 0.39 at 262144) and 0.66 at
+# 262144 (8192 / 16 warps, 1 per SM), against 0.53 for the config above; at 65536 that one
+# stays best (0.73 against 0.71 / 0.66). (row length up to, slice, warps, programs per SM).
+BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf, 8192, 16, 1)]
+# dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
+# programs of BLOCK_N columns, about 128 of them or more.
+SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
+
+
+def _kind(rms):
+    return "rms" if rms else "layer"
+
+
+def forward_config(N, rms, residual=False):
+    kind = _kind(rms) + ("+residual" if residual else "")
+    for limit, plan, size, warps in FORWARD_PLANS[kind]:
+        if N > limit:
+            continue
+        if plan == "long":
+            return {"plan": "long", "BLOCK": size, "num_warps": warps}
+        block_n = next_power_of_2(N)
+        return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
+    return FORWARD_SPLIT[kind]
+
+
+def backward_config(N, rms, dh=False):
+    for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
+        if N <= limit:
+            block_n = next_power_of_2(N)
+            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
+                    "PROGRAMS_PER_SM": per_sm}
+    cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
+    if cfg["plan"] == "blocks" and dh:
+        block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if N <= entry[0])
+        cfg = {**cfg, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+    return cfg
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+             bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool, out_dtype: torch.dtype,
+             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual); mean
+    is empty for RMS."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
+        return reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+    M, N = x.shape
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    h = torch.empty(M if residual is not None else 0, N, device=x.device,
+                    dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
+    mean = torch.empty(0 if rms else M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if not (M and N):
+        return y, h, mean, rstd
+    cfg = config or forward_config(N, rms, residual is not None)
+    args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
+            bias if bias is not None else x, y, mean, rstd)
+    strides = (x.stride(0), residual.stride(0) if residual is not None else 0,
+               h.stride(0) if residual is not None else 0, y.stride(0), eps, weight_offset)
+    flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                 num_warps=cfg["num_warps"])
+    align = row_alignment(N, *strides[:4])
+    if cfg["plan"] == "rows":
+        launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
+    elif cfg["plan"] == "long":
+        launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
+               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), ALIGN=align)
+    else:
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
+        launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
+               BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
+    return y, h, mean, rstd
+
+
+def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
+              has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float, rms: bool,
+              x_dtype: torch.dtype, config: dict | None = None, *, dweight_dtype: torch.dtype | None = None,
+              dbias_dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias) for rows: x[M, N] is the normalised input (h with a residual).
+    dweight / dbias come in the dtypes asked for (default: float32, the sums' own)."""
+    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and dy.dtype in KERNEL_DTYPES):
+        dx, dw, db = reference.norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype)
+        return dx, _cast(dw, dweight_dtype), _cast(db, dbias_dtype)
+    M, N = x.shape
+    dweight_dtype, dbias_dtype = dweight_dtype or torch.float32, dbias_dtype or torch.float32
+    dx = torch.empty(M, N, dtype=x_dtype, device=x.device)
+    if not (M and N):
+        return (dx, torch.zeros(N, dtype=dweight_dtype, device=x.device) if weight is not None else None,
+                torch.zeros(N, dtype=dbias_dtype, device=x.device) if has_bias else None)
+    for grad in (dy, dh):  # the kernels read (M, N) rows with unit feature stride
+        if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
+            raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
+                             f"expected ({M}, {N}) rows with unit feature stride")
+    cfg = config or backward_config(N, rms, dh is not None)
+    if cfg["plan"] == "blocks":
+        # The interpreter runs one program at a time, which cannot meet another: a slice per row.
+        block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)
+        slices = cdiv(N, block)
+        programs = program_slots(x.device, cfg["PROGRAMS_PER_SM"])
+        # A row's slices wait for each other, so they must all run at once. A GPU holds at
+        # least one program per SM whatever the kernel's registers (with a residual's
+        # gradient and a bias it takes 166: 3 per SM, not the 4 the grid counts on).
+        if slices > program_slots(x.device, 1):
+            cfg = BACKWARD_LONG
+    if cfg["plan"] == "rows":
+        block = cfg["BLOCK_N"]
+        parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
+    elif cfg["plan"] == "blocks":
+        parts = cdiv(M, cfg["ROWS"])
+    else:
+        block = min(cfg["BLOCK"], next_power_of_2(N))
+        chunks = cdiv(N, block)
+        parts = max(1, min(M, program_slots(x.device, cfg["PROGRAMS_PER_SM"]) // chunks))
+    dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
+    outputs = (dx, dw if dw is not None else rstd, db if db is not None else rstd)
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, num_warps=cfg["num_warps"])
+    w = weight if weight is not None else x
+    dh_or_dy = dh if dh is not None else dy
+    if cfg["plan"] == "rows":
+        launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
+               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+    elif cfg["plan"] == "blocks":
+        slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
+        launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,
+               M, N, 1.0 / N, slices, *strides, **flags, ROWS=cfg["ROWS"], BLOCK=block,
+               SLICES_POW2=next_power_of_2(slices))
+    else:
+        sums = mean  # any pointer: read only when a row spans several chunks
+        if chunks > 1:
+            sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
+            launch(_row_sums_kernel, (M,), x, w, dy, mean, rstd, sums, N, 1.0 / N, x.stride(0), dy.stride(0),
+                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=cfg["num_warps"])
+        launch(_backward_chunks_kernel, (parts, chunks), x, w, dy, dh_or_dy, mean, rstd, sums, *outputs, M, N,
+               1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
+    return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
+
+
+def _sum_partials(dw_parts, db_parts, dweight_dtype, dbias_dtype):
+    """dweight and dbias (or None) from their float32 partial rows, in one launch."""
+    parts = dw_parts if dw_parts is not None else db_parts
+    if parts is None:
+        return None, None
+    N = parts.shape[1]
+    dw = torch.empty(N, dtype=dweight_dtype, device=parts.device) if dw_parts is not None else None
+    db = torch.empty(N, dtype=dbias_dtype, device=parts.device) if db_parts is not None else None
+    block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
+                  max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
+    launch(_sum_partials_kernel, (cdiv(N, block_n),), parts, db_parts if db_parts is not None else parts,
+           dw if dw is not None else db, db if db is not None else dw, parts.shape[0], N,
+           HAS_WEIGHT=dw_parts is not None, HAS_BIAS=db_parts is not None, PARTS_BLOCK=SUM_PARTIALS["PARTS_BLOCK"],
+           BLOCK_N=block_n, num_warps=4)
+    return dw, db
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if t is not None and dtype is not None else t
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# Eager calls take a plain autograd.Function (host time, as for softmax); torch.compile
+# reaches the same functions as custom ops (absent gradients as empty tensors there).
+
+
+def _incoming(dy, dh, normalised, has_residual):
+    """The gradients reaching y and h, as rows with unit feature stride (autograd hands out
+    expanded ones, e.g. of y.sum(), whose strides are 0); h exists only with a residual."""
+    if dy is None:  # only h was used downstream
+        dy = torch.zeros_like(normalised)
+    dh = dh if has_residual else None
+    return unit_stride(dy), (unit_stride(dh) if dh is not None else None)
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+        y, h, mean, rstd = _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+        ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+        ctx.meta = (bias is not None, weight_offset, rms)
+        ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None,
+                      bias.dtype if bias is not None else None)
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        normalised, weight, mean, rstd = ctx.saved_tensors
+        x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+        dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
+        dx, dw, db = _backward(dy, dh, normalised, weight, bias_dtype is not None, mean, rstd, *ctx.meta[1:],
+                               normalised.dtype, dweight_dtype=weight.dtype if weight is not None else None,
+                               dbias_dtype=bias_dtype)
+        grads = (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None, dw, db,
+                 None, None, None, None)
+        return no_second_derivative(grads, normalised, weight, dy, dh)
+
+
+def _forward_for_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool,
+                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+
+
+_forward_op = torch.library.custom_op("pintail::norm_forward", _forward_for_op, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+    M, N = x.shape
+    h = x.new_empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None \
+        else x.new_empty(0, N, dtype=out_dtype)
+    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms else M, dtype=torch.float32),
+            x.new_empty(M, dtype=torch.float32))
+
+
+def _backward_for_op(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
+                     has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float,
+                     rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x.dtype)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return dx, dw if dw is not None else empty, db if db is not None else empty
+
+
+_backward_op = torch.library.custom_op("pintail::norm_backward", _backward_for_op, mutates_args=())
+
+
+@_backward_op.register_fake
+def _(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms):
+    N = x.shape[1]
+    return (torch.empty_like(x), x.new_empty(N if weight is not None else 0, dtype=torch.float32),
+            x.new_empty(N if has_bias else 0, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, _, weight_offset, rms, _ = inputs[:8]
+    _, h, mean, rstd = output
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    ctx.meta = (bias is not None, weight_offset, rms)
+    ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None, bias.dtype if bias is not None else None)
+
+
+def _backward_of_op(ctx, dy, dh, _mean, _rstd):
+    normalised, weight, mean, rstd = ctx.saved_tensors
+    has_bias, weight_offset, rms = ctx.meta
+    x_dtype, residual_dtype, bias_dtype = ctx.dtypes
+    dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
+    dx, dw, db = _backward_op(dy, dh, normalised, weight, has_bias, mean, rstd, weight_offset, rms)
+    return (dx.to(x_dtype), dx.to(residual_dtype) if residual_dtype is not None else None,
+            dw.to(weight.dtype) if weight is not None else None, db.to(bias_dtype) if has_bias else None,
+            None, None, None, None, None)
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weight_offset, rms, out_dtype):
+    if not isinstance(input, torch.Tensor) or not input.dtype.is_floating_point:
+        raise TypeError(f"{name}: input must be a floating point tensor, got "
+                        f"{input.dtype if isinstance(input, torch.Tensor) else type(input).__name__}")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(input.shape[input.dim() - len(shape):]) != shape or len(shape) > input.dim():
+        raise ValueError(f"{name}: normalized_shape={list(shape)} must be the trailing dims of input, "
+                         f"got input of shape {list(input.shape)}")
+    for label, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: {label} must have shape normalized_shape={list(shape)}, got {list(t.shape)}")
+            if t.device != input.device or not t.dtype.is_floating_point:
+                raise ValueError(f"{name}: {label} must be a floating point tensor on {input.device}, got "
+                                 f"{t.dtype} on {t.device}")
+    if residual is not None and (residual.shape != input.shape or residual.device != input.device
+                                 or not residual.dtype.is_floating_point):
+        raise ValueError(f"{name}: residual must be a floating point tensor of input's shape {list(input.shape)} "
+                         f"on {input.device}, got {list(residual.shape)} {residual.dtype} on {residual.device}")
+    if eps < 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    N = 1
+    for d in shape:
+        N *= d
+    M = 1
+    for d in input.shape[:input.dim() - len(shape)]:
+        M *= d
+    rows = input.dim() == 2 and len(shape) == 1  # already (M, N): no views (each costs host time)
+    x = unit_stride(input if rows else input.reshape(M, N))  # (M, N), not (-1, N): N may be 0
+    r = unit_stride(residual if rows else residual.reshape(M, N)) if residual is not None else None
+    w = _vector(weight, N)
+    b = _vector(bias, N)
+    # y in the dtype of what is normalised: x, or x + residual as torch promotes it
+    out_dtype = out_dtype or (torch.promote_types(input.dtype, residual.dtype) if residual is not None else input.dtype)
+    if torch.compiler.is_compiling():
+        y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
+    else:
+        y, h = _Norm.apply(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
+    if residual is None:
+        return y if rows else y.reshape(input.shape)
+    return (y, h) if rows else (y.reshape(input.shape), h.reshape(input.shape))
+
+
+def _vector(t, N):
+    """A weight or bias as N contiguous elements (or None)."""
+    if t is None:
+        return None
+    return (t if t.dim() == 1 else t.reshape(N)).contiguous()
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, bias=None, weight_offset=0.0,
+             out_dtype=None):
+    """torch.nn.functional.rms_norm(input, normalized_shape, weight, eps), with Triton kernels.
+
+    eps=None means what torch means: the epsilon of float32 for fp16 / bf16 / fp32 inputs
+    (the type it computes in). Keyword-only extras:
+    residual (returns (y, input + residual): the pre-norm block's normalised output and its new
+    residual stream), bias (added after the weight), weight_offset (y = x^ * (offset + weight),
+    Gemma), out_dtype (y's dtype; default the input's).
+    """
+    if eps is None:  # torch: the machine epsilon of the type it computes in (float32 for fp16 / bf16)
+        dtype = input.dtype if isinstance(input, torch.Tensor) and input.dtype.is_floating_point else torch.float32
+        eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+    return _normalise("pintail.rms_norm", input, normalized_shape, weight, bias, residual, eps, weight_offset,
+                      True, out_dtype)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.layer_norm, with Triton kernels."""
+    return _normalise("pintail.layer_norm", input, normalized_shape, weight, bias, None, eps, 0.0, False, None)

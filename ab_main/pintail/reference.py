@@ -1,0 +1,116 @@
+"""Plain PyTorch versions of the ops: the CPU path (and float64 anywhere)."""
+
+import torch
+
+
+def softmax_forward(x, dim, log, out_dtype):
+    op = torch.log_softmax if log else torch.softmax
+    return op(x, dim, dtype=out_dtype)
+
+
+def softmax_backward(y, dy, dim, log, in_dtype):
+    compute = torch.promote_types(y.dtype, torch.float32)
+    y, dy = y.to(compute), dy.to(compute)
+    if log:
+        dx = dy - y.exp() * dy.sum(dim, keepdim=True)
+    else:
+        dx = y * (dy - (y * dy).sum(dim, keepdim=True))
+    return dx.to(in_dtype)
+
+
+def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
+    """Per-row (loss, (max, log-sum) pairs, target mass) of logits x[M, V], as pintail's
+    cross-entropy kernels produce them (see pintail/cross_entropy.py for the formulas)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(compute)
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    V = x.shape[1]
+    row_max = x.max(1).values if V else x.new_zeros(x.shape[0])
+    shifted = x - torch.where(torch.isinf(row_max), 0, row_max)[:, None]
+    log_sum = torch.logsumexp(shifted, dim=1)
+    lse = row_max + log_sum
+    stats = torch.stack([row_max, log_sum], 1)
+    logp = shifted - log_sum[:, None]
+    w = weight.to(compute) if weight is not None else torch.ones(V, dtype=compute, device=x.device)
+    if prob_target:
+        y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
+        return -torch.where(y != 0, y * logp, 0).sum(1) + z_scale * lse**2, stats, y.sum(1)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    safe = torch.where(in_range & ~ignored, target, 0).long()
+    loss = -(1 - smoothing) * w[safe] * logp.gather(1, safe[:, None])[:, 0] + z_scale * lse**2
+    if smoothing > 0:
+        loss = loss - smoothing / V * (logp * w).sum(1)
+    loss = torch.where(ignored, 0.0, loss)
+    loss = torch.where(in_range | ignored, loss, float("nan"))
+    return loss, stats, x.new_empty(0)
+
+
+def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_scale, softcap,
+                                prob_target):
+    """dloss/dx of cross_entropy_rows, given the gradient of each row's loss."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_()
+        loss, _, _ = cross_entropy_rows(xg, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
+        (dx,) = torch.autograd.grad(loss, xg, grad.to(loss.dtype))
+    return dx.to(x.dtype)
+
+
+def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    """The rotation of pintail/rotary.py in torch: x * cos + turn(x) * sin on the first
+    rotary_dim features; backward: the transpose, y * cos - turn(y * sin)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xs = x.movedim(seq_dim, 1)  # (B, S, H, D)
+    B, S = xs.shape[:2]
+    if cos.dim() == 3:
+        c, s = cos.expand(B, S, -1), sin.expand(B, S, -1)
+    else:
+        rows = positions if positions is not None else (torch.arange(S, device=x.device) + seq_offset).expand(B, S)
+        c, s = cos[rows], sin[rows]
+    if c.shape[-1] != rotary_dim:  # a column per pair: one per feature
+        widen = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
+        c, s = widen(c), widen(s)
+    c, s = c[:, :, None, :].to(compute), s[:, :, None, :].to(compute)
+
+    def turn(v):
+        if interleaved:
+            return torch.stack([-v[..., 1::2], v[..., ::2]], -1).flatten(-2)
+        first, second = v.chunk(2, -1)
+        return torch.cat([-second, first], -1)
+
+    v = xs[..., :rotary_dim].to(compute)
+    out = v * c - turn(v * s) if backward else v * c + turn(v) * s
+    return torch.cat([out.to(x.dtype), xs[..., rotary_dim:]], -1).movedim(1, seq_dim)
+
+
+def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+    """(y, h, mean, rstd) of pintail/norm.py in torch, for rows x[M, N]."""
+    h = x + residual if residual is not None else x[:0]
+    v = (h if residual is not None else x).to(torch.promote_types(x.dtype, torch.float32))
+    mean = v.new_empty(0) if rms else v.mean(1)  # RMS: not kept
+    centred = v if rms else v - mean[:, None]
+    rstd = torch.rsqrt(centred.square().mean(1) + eps)
+    y = centred * rstd[:, None]
+    if weight is not None:
+        y = y * (weight.to(v.dtype) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(v.dtype)
+    return y.to(out_dtype), h, mean, rstd
+
+
+def norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype):
+    """(dx, dweight, dbias) of norm_forward, x being the normalised input (h with a residual)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    x_hat = (x.to(compute) if rms else x.to(compute) - mean[:, None]) * rstd[:, None]
+    dy = dy.to(compute)
+    g = dy * (weight.to(compute) + weight_offset) if weight is not None else dy
+    dx = g - x_hat * (g * x_hat).mean(1, keepdim=True)
+    if not rms:
+        dx = dx - g.mean(1, keepdim=True)
+    dx = dx * rstd[:, None]
+    if dh is not None:
+        dx = dx + dh.to(compute)
+    dw = (dy * x_hat).sum(0) if weight is not None else None
+    db = dy.sum(0) if has_bias else None
+    return dx.to(x_dtype), dw, db

@@ -1,0 +1,432 @@
+"""softmax and log_softmax along any dim: Triton kernels, launch heuristics, autograd,
+and torch.library registration.
+
+Bytes per element (the floor): forward reads x and writes y; backward reads y and dy and
+writes dx. Every kernel here moves each of those once through HBM.
+
+Plans, picked by row length N:
+- rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
+  and writes; one read, one write, one exp per element.
+- two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row
+  reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
+  once, two exps per element.
+- split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
+  output written `lag` rows behind the reads). Each slice publishes its (max, sum of
+  exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
+  once, y written once.
+- own row (softmax backward, rows of 32769 to 524288): ticket-ordered slices too, but a
+  program keeps its slice of y and dy in registers, publishes the slice's partial sum, and
+  writes dx of that same slice once the row's other slices have published
+  (pintail/_split.py). No L2 re-read: 0.82-0.84 of copy against the lagged plan's 0.80-0.81.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _split as split, reference
+from ._launch import (KERNEL_DTYPES, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
+                      no_second_derivative, runs_kernels)
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
+                         LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One tile of BLOCK_M whole rows: read once, reduce in registers, write once.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    row_max = tl.max(x, axis=1)
+    e = tl.exp2((x - row_max[:, None]) * LOG2E)
+    total = tl.sum(e, axis=1)
+    if LOG:
+        y = (x - row_max[:, None]) - tl.log(total)[:, None]  # x - max first: exact, no cancellation
+    else:
+        y = e * (1.0 / total)[:, None]
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
+                          LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        # Both loads go out at once: the new slice from HBM, the lagged one from L2.
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
+                        other=-float("inf")).to(tl.float32)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0),
+                        other=0.0).to(tl.float32)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+        if row < M:
+            # Read: this slice's max and sum of exp(x - max). The word is never 0: a slice
+            # holds at least one element, so sum >= 1, or max = -inf when all are -inf.
+            slice_max = tl.max(x_new, axis=0)
+            shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
+            split.publish(slots_ptr, ticket, slice_max, tl.sum(tl.exp2((x_new - shift) * LOG2E), axis=0))
+
+        if done >= 0:
+            # Write: row `done`, once all of its slices are published (tickets below ours).
+            maxes, sums, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
+            log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
+            # y = (x - max) - log(total), or its exp; x - max first, as it is exact
+            if LOG:
+                y = (x_old - row_max) - log2_total * LN2
+            else:
+                y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
+            tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
+
+
+@triton.jit
+def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
+    # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
+    # (evict_first), so the second read comes from L2 while the rows in flight fit there.
+    row = tl.program_id(0).to(tl.int64)
+    row_max = -float("inf")
+    total = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        new_max = tl.maximum(row_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: sum 0, not NaN
+        total = total * tl.exp2((row_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
+        row_max = new_max
+    log2_total = tl.log2(total)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = tl.exp2((x - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+# ---------------------------------------------------------------------------- backward
+# softmax:     dx = y * (dy - sum(y * dy))
+# log_softmax: dx = dy - exp(y) * sum(dy)
+
+
+@triton.jit
+def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
+    else:
+        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                           SLICES, LAG, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
+    end = (M + LAG) * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    while ticket < end:
+        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        new = (cols < N) & (row < M)
+        old = (cols < N) & (done >= 0)
+        dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+        y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        if LOG:
+            part = tl.sum(dy_new, axis=0)
+        else:
+            y_new = tl.load(y_ptr + row * y_row_stride + cols, mask=new, other=0.0).to(tl.float32)
+            part = tl.sum(y_new * dy_new, axis=0)
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+        if row < M:
+            split.publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
+
+        if done >= 0:
+            _, parts, valid = split.wait_for_row(slots_ptr, done, SLICES, SLICES_POW2)
+            total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
+            if LOG:
+                dx = dy_old - tl.exp2(y_old * LOG2E) * total
+            else:
+                dx = y_old * (dy_old - total)
+            tl.store(dx_ptr + done * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        ticket = next_ticket
+
+
+@triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 fails Triton 3.6's compile
+def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                             SLICES, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+    # Per ticket (row, slice): the slice's sum(dy) (log_softmax) or sum(y * dy), published
+    # as soon as the slice is loaded; the slice's dx once its row is complete. Each program
+    # holds two tickets: the one it waits on and the next, whose partial it has published
+    # before it waits (_split.py: why that cannot deadlock).
+    end = M * SLICES
+    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    row = ticket // SLICES
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
+    dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
+    split.publish_own(slots_ptr, ticket, end, _partial(y_raw, dy_raw, LOG))
+    while ticket < end:
+        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        next_row = next_ticket // SLICES
+        next_cols = (next_ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+        next_mask = (next_cols < N) & (next_row < M)
+        y_next = tl.load(y_ptr + next_row * y_row_stride + next_cols, mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + next_row * dy_row_stride + next_cols, mask=next_mask, other=0.0)
+        split.publish_own(slots_ptr, next_ticket, end, _partial(y_next, dy_next, LOG))
+        _, parts, valid = split.wait_for_row(slots_ptr, row, SLICES, SLICES_POW2)
+        total = tl.sum(tl.where(valid, parts, 0.0), axis=0)
+        cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)  # recomputed: not carried in registers
+        y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (dy - total)
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        ticket, row, y_raw, dy_raw = next_ticket, next_row, y_next, dy_next
+
+
+@triton.jit
+def _partial(y_raw, dy_raw, LOG: tl.constexpr):
+    if LOG:
+        return tl.sum(dy_raw.to(tl.float32), axis=0)
+    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=0)
+
+
+# ------------------------------------------------------------------ launch heuristics
+# Measured on the H200, bf16, M*N = 2^27 (docs/perf-notes.md, scripts/tune_softmax.py).
+# Rows plan: (row length up to, elements per program at least, warps). Past the last
+# entry a row does not fit on chip and takes the split plan.
+FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 8)]
+BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
+# Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
+# the persistent grid (one round: the writes trail the reads by as many tickets as there
+# are programs, so a row's readers have finished when its writers come, and the lagged
+# slices are still in L2; two rounds fell out of L2, half a round waited).
+FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 1}
+# Two passes over each row, its second read from L2 (eviction hints), between the rows plan
+# and the split plan (kernel alone, H200, bf16; split plan 0.80 / 0.81 for softmax /
+# log_softmax): softmax 0.78 / 0.90 / 0.85 at N = 16400 / 24576 / 32768 at 8 warps;
+# log_softmax 0.91 / 0.86 at 24576 / 32768 at 16 warps, where its 8 warps (48 registers,
+# 5 programs per SM where softmax's 54 fit 4) fell to 0.79 at 32768: likely more rows in
+# flight than L2 keeps (5 x 132 x 64 KB = 43 MB). Past 32768, two passes of 16384 / 16 warps
+# beat the split plan only where the row is whole chunks (softmax / log_softmax 0.83 / 0.85
+# against 0.79 / 0.81 at 49152, 0.80-0.81 / 0.82-0.83 against 0.79-0.80 / 0.81 at 65536) and
+# lose where it is not (0.73 / 0.77 against 0.78 / 0.80 at 40000); at 131072 they fall to 0.65.
+# The gain needs the rows in flight to stay in L2 between the passes, so the limit is in
+# bytes a row: float32 rows past the rows plan (16385+ elements, 64 KB+) take the split plan
+# (not measured in float32).
+FORWARD_TWO_PASS_ROW_BYTES = 65536
+FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
+                    True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
+# Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
+# - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
+#   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
+#   need more than 64 slices (_split.py: the own-row plan needs more programs running than
+#   half a row's slices) and the lagged plan takes it (0.81 at 262144 with this config).
+# - log_softmax: the lagged plan. Its new slice needs dy alone (the partial is sum(dy)), so
+#   only dy is re-read from L2: 0.90-0.91 at 131072-262144, against own row's 0.81-0.84.
+BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
+BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
+LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
+
+
+def _config(N, rows_table, split):
+    for limit, tile, warps in rows_table:
+        if N <= limit:
+            block_n = next_power_of_2(N)
+            return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
+    return split
+
+
+def forward_config(N, log=False, item_size=2):
+    two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
+    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
+
+
+def backward_config(N, log):
+    cfg = _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT)
+    for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
+        if N <= limit:
+            return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+    return cfg
+
+
+def launch_forward(x, y, log, config=None):
+    """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
+    M, N = x.shape
+    cfg = config or forward_config(N, log, x.element_size())
+    if cfg["plan"] == "rows":
+        grid = (cdiv(M, cfg["BLOCK_M"]),)
+        launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "two_pass":
+        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
+               num_warps=cfg["num_warps"])
+    else:
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
+        launch(
+            _forward_split_kernel, grid,
+            x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
+
+
+def launch_backward(y, dy, dx, log, config=None):
+    """dx[M, N] from y and dy along rows; all three have unit column stride."""
+    M, N = y.shape
+    cfg = config or backward_config(N, log)
+    if cfg["plan"] == "rows":
+        grid = (cdiv(M, cfg["BLOCK_M"]),)
+        launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "own_row":
+        block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
+        launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),
+               slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices),
+               num_warps=cfg["num_warps"])
+    else:
+        slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)
+        launch(
+            _backward_split_kernel, grid,
+            y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _kernels_take(*dtypes):
+    return all(d in KERNEL_DTYPES for d in dtypes)
+
+
+def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    if not (runs_kernels(x) and _kernels_take(x.dtype, out_dtype)):
+        return reference.softmax_forward(x, dim, log, out_dtype)
+    y = empty_like_rows(x, dim, out_dtype)
+    if x.numel() > 0:
+        launch_forward(as_rows(x, dim), as_rows(y, dim), log)
+    return y
+
+
+def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, in_dtype: torch.dtype) -> torch.Tensor:
+    if not (runs_kernels(y) and _kernels_take(y.dtype, in_dtype)):
+        return reference.softmax_backward(y, dy, dim, log, in_dtype)
+    dx = empty_like_rows(y, dim, in_dtype)
+    if y.numel() > 0:
+        launch_backward(as_rows(y, dim), as_rows(dy.to(y.dtype), dim), as_rows(dx, dim), log)
+    return dx
+
+
+# ------------------------------------------------------------- autograd and torch.library
+# Eager calls take a plain autograd.Function: torch.library's custom-op dispatch costs about
+# 70 us of host time a call (scripts/exp_overhead.py on the H200 machine), more than the
+# kernel itself at some sizes. Under torch.compile the same functions are reached as custom
+# ops with fake implementations: one graph node each, no graph break.
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, log, out_dtype):
+        y = _forward(x, dim, log, out_dtype)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log, ctx.in_dtype = dim, log, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return no_second_derivative((_backward(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None), y, dy)
+
+
+_forward_op = torch.library.custom_op("pintail::softmax_forward", _forward, mutates_args=())
+_backward_op = torch.library.custom_op("pintail::softmax_backward", _backward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, dim, log, out_dtype):
+    return empty_like_rows(x, dim, out_dtype)
+
+
+@_backward_op.register_fake
+def _(y, dy, dim, log, in_dtype):
+    return empty_like_rows(y, dim, in_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dim, log, _ = inputs
+    ctx.save_for_backward(output)
+    ctx.dim, ctx.log, ctx.in_dtype = dim, log, x.dtype
+
+
+def _backward_of_op(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return _backward_op(y, dy, ctx.dim, ctx.log, ctx.in_dtype), None, None, None
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+def _softmax(x, dim, log, out_dtype):
+    if torch.compiler.is_compiling():
+        return _forward_op(x, dim, log, out_dtype)
+    return _Softmax.apply(x, dim, log, out_dtype)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _checked(name, input, dim, dtype):
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"pintail.{name}: input must be a torch.Tensor, got {type(input).__name__}")
+    if dim is None:
+        raise TypeError(f"pintail.{name}: dim must be an int, got None (implicit dim choice is "
+                        "deprecated in torch; pass dim explicitly)")
+    dim = canonical_dim(int(dim), input.dim())
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise TypeError(f"pintail.{name}: dtype must be a floating point dtype, got {dtype}")
+        if not input.dtype.is_floating_point:
+            input = input.to(dtype)  # torch casts first, then computes in dtype
+    elif not input.dtype.is_floating_point:
+        raise NotImplementedError(
+            f"pintail.{name}: input has dtype {input.dtype}, expected a floating point dtype "
+            f"(or pass dtype=torch.float32 to compute in float, as torch does)")
+    return input, dim, dtype or input.dtype
+
+
+def softmax(input, dim=-1, dtype=None):
+    """torch.nn.functional.softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
+    input, dim, out_dtype = _checked("softmax", input, dim, dtype)
+    return _softmax(input, dim, False, out_dtype)
+
+
+def log_softmax(input, dim=-1, dtype=None):
+    """torch.nn.functional.log_softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
+    input, dim, out_dtype = _checked("log_softmax", input, dim, dtype)
+    return _softmax(input, dim, True, out_dtype)
