@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import KERNEL_DTYPES, as_rows, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
+                      row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -128,9 +129,11 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 @triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
                     z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss.
+    if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
+        V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     running_max = -float("inf")
@@ -175,9 +178,11 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
 @triton.jit
 def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
                           smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
     # B = sum_j w_j y'_j; loss = B * log-sum - A.
+    if ALIGN > 1:  # as in _forward_kernel
+        V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     y_row = y_ptr + row * y_row_stride
@@ -222,8 +227,10 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
                      x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # One chunk of one row: read the logits again, write the gradient.
+    if ALIGN > 1:  # as in the forward
+        V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
@@ -263,7 +270,11 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
 @triton.jit
 def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                            x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
-                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+                           ALIGN: tl.constexpr):
+    if ALIGN > 1:  # as in the forward
+        V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+        y_row_stride = aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
@@ -328,7 +339,9 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
         return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), num_warps=FORWARD_WARPS)
+    strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
+                  ALIGN=row_alignment(V, *strides), num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
@@ -369,8 +382,9 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     block = _block(V, BACKWARD_BLOCK)
     grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
+    strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  num_warps=BACKWARD_WARPS)
+                  ALIGN=row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),

@@ -313,12 +313,15 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
 def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                           x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                           RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
     # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
     # order, so dweight / dbias come out the same on every run), writes their dx and keeps
     # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
     # The next tile's x and dy are loaded before this tile is computed and stored, so that
     # a program always has reads in flight (few programs fit on an SM at these registers).
+    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
+        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_WEIGHT:
@@ -371,8 +374,11 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
 
 @triton.jit
 def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_n, x_row_stride, dy_row_stride,
-                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+                     weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                     ALIGN: tl.constexpr):
     # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
+    if ALIGN > 1:  # as in the forward
+        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     mean = 0.0 if RMS else tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
@@ -401,9 +407,13 @@ def _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_W
 def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
                             M, N, inv_n, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
                             weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                            ALIGN: tl.constexpr):
     # Program (row block, column chunk): dx of the chunk for each row of the block, and the
     # chunk's dweight / dbias summed over the block.
+    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
+        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -445,7 +455,8 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
 def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                             SLICES, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
+                            ALIGN: tl.constexpr):
     # RMSNorm, rows too long for one program: x and dy read from HBM once (the long plan
     # reads them twice). Ticket t (an atomic counter, as in pintail/_split.py) is slice
     # t % SLICES of the block of ROWS rows t // SLICES. The SLICES programs holding a block
@@ -456,6 +467,9 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
     # A program takes a new ticket only when its block is done, so a wait can stall only on
     # the newest block, whose missing tickets go to the next programs to finish: no deadlock
     # while SLICES programs can run at once (the host keeps SLICES <= the SMs).
+    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
+        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = tl.cdiv(M, ROWS) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -701,7 +715,9 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
     outputs = (dx, dw if dw is not None else rstd, db if db is not None else rstd)
     strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
-    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, num_warps=cfg["num_warps"])
+    align = row_alignment(N, *strides[:4])
+    flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, ALIGN=align,
+                 num_warps=cfg["num_warps"])
     w = weight if weight is not None else x
     dh_or_dy = dh if dh is not None else dy
     if cfg["plan"] == "rows":
@@ -717,7 +733,8 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         if chunks > 1:
             sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
             launch(_row_sums_kernel, (M,), x, w, dy, mean, rstd, sums, N, 1.0 / N, x.stride(0), dy.stride(0),
-                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=cfg["num_warps"])
+                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, ALIGN=align,
+                   num_warps=cfg["num_warps"])
         launch(_backward_chunks_kernel, (parts, chunks), x, w, dy, dh_or_dy, mean, rstd, sums, *outputs, M, N,
                1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
     return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))

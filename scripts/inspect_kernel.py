@@ -53,6 +53,8 @@ def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
                                                                    "rows_per_program", "HQ", "HK", "S", "D")}
+    if "ALIGN" in signature and "ALIGN" not in constexprs:  # rows of 16-divisible length (the bench's)
+        constexprs = {**constexprs, "ALIGN": 16}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"
@@ -83,7 +85,7 @@ def main():
             inspect(sm._backward_own_row_kernel, own_row, {"LOG": log, "BLOCK": block, "SLICES_POW2": 32}, warps)
     for log in (False, True):  # the two-pass forward: its loads carry the eviction hints (LDG.E.EL / .EF)
         inspect(sm._forward_two_pass_kernel, signature(sm._forward_two_pass_kernel),
-                {"LOG": log, "BLOCK": sm.FORWARD_TWO_PASS[log]["BLOCK"], "ALIGN": 16}, sm.FORWARD_TWO_PASS[log]["num_warps"])
+                {"LOG": log, "BLOCK": sm.FORWARD_TWO_PASS[log]["BLOCK"]}, sm.FORWARD_TWO_PASS[log]["num_warps"])
     for flags in (False, True):
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),
@@ -97,7 +99,7 @@ def main():
             if cfg["plan"] != "rows":
                 continue
             inspect(norm._forward_rows_kernel, signature(norm._forward_rows_kernel),
-                    {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "ALIGN": 16}, cfg["num_warps"])
+                    {**flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}, cfg["num_warps"])
         for N in (1024, 4096, 8192):
             cfg = norm.backward_config(N, rms)
             inspect(norm._backward_rows_kernel, signature(norm._backward_rows_kernel),
@@ -107,7 +109,7 @@ def main():
             cfg = norm.forward_config(N, rms)
             if cfg["plan"] == "long":
                 inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
-                        {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"], "ALIGN": 16}, cfg["num_warps"])
+                        {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
         split_cfg = norm.forward_config(262144, rms, residual=rms)
         inspect(norm._forward_split_kernel, signature(norm._forward_split_kernel),
                 {**flags, "BLOCK": split_cfg["BLOCK"], "SLICES_POW2": 32}, split_cfg["num_warps"])
