@@ -5,7 +5,7 @@ bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradien
 2*M*V*elem). At V = 32768 the forward kernel alone measured ~0.85 (74 us in the profiler,
 session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an online loop.
 
-    python scripts/tune_cross_entropy.py [--sizes 32768,131072]
+    python scripts/tune_cross_entropy.py [--sizes 32768,131072] [--default-only]
 """
 
 import argparse
@@ -21,6 +21,8 @@ ce = importlib.import_module("pintail.cross_entropy")
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="32768,131072,262144")
+    p.add_argument("--out", default=".", help="unused (device_run.sh's ab mode passes it)")
+    p.add_argument("--default-only", action="store_true", help="time the library's default configuration alone")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
     copy_bw = copy_bandwidth()
@@ -33,16 +35,17 @@ def main():
         target = torch.randint(0, V, (M,), device="cuda")
         _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
-        for block, warps in itertools.product((4096, 8192, 16384, 32768), (4, 8, 16)):
-            if block // (32 * warps) > 64:  # more than 64 elements a thread: spills
+        sweep = [None] if args.default_only else itertools.product((4096, 8192, 16384, 32768), (4, 8, 16))
+        for pair in sweep:  # (BLOCK, warps) for both kernels; None: each kernel's default
+            if pair and pair[0] // (32 * pair[1]) > 64:  # more than 64 elements a thread: spills
                 continue
-            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = block, warps
-            record(results, "fwd", V, (block, warps),
+            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
+            record(results, "fwd", V, pair or default["fwd"],
                    lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
                    M * V * 2, copy_bw, default["fwd"])
             ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
-            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = block, warps
-            record(results, "bwd", V, (block, warps),
+            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = pair or default["bwd"]
+            record(results, "bwd", V, pair or default["bwd"],
                    lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
                                         denominator),
                    2 * M * V * 2, copy_bw, default["bwd"])
