@@ -98,13 +98,16 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
 def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
     # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
-    # residual, pass 2 reads the h just stored: no hints there (not measured).
+    # residual, pass 2 reads the h just stored: no hints there (not measured). ONE_CHUNK
+    # (BLOCK >= N): loops of one trip known at compile time, so straight-line code, where the
+    # compiler may issue pass 2's loads before pass 1's reduction ends.
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
+    end = BLOCK if ONE_CHUNK else N
     keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
     row = tl.program_id(0).to(tl.int64)
@@ -114,7 +117,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     pilot = tl.load(x_ptr + row * x_row_stride).to(tl.float32)  # LayerNorm's (which takes no residual)
     squares = 0.0  # RMS: of x; LayerNorm: of s = x - pilot
     sums = 0.0  # LayerNorm: of s
-    for start in range(0, N, BLOCK):
+    for start in range(0, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
@@ -134,7 +137,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
         deviations = 0.0
         drift = 0.0
-        for start in range(0, N, BLOCK):
+        for start in range(0, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
             x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
@@ -147,7 +150,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     # pass 2: the output
-    for start in range(0, N, BLOCK):
+    for start in range(0, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
         if HAS_RESIDUAL:  # h as stored, so that forward and backward see the same rounding
@@ -569,7 +572,7 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_PLANS = {
     "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
-            (16384, "rows", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 16)],
+            (16384, "long", 16384, 8), (32768, "long", 32768, 32)],
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
               (32768, "long", 16384, 16)]}
@@ -663,7 +666,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
     elif cfg["plan"] == "long":
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
-               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), ALIGN=align)
+               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), ONE_CHUNK=cfg["BLOCK"] >= N, ALIGN=align)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

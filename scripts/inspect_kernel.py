@@ -109,7 +109,8 @@ def main():
             cfg = norm.forward_config(N, rms)
             if cfg["plan"] == "long":
                 inspect(norm._forward_long_kernel, signature(norm._forward_long_kernel),
-                        {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"]}, cfg["num_warps"])
+                        {**flags, "HAS_RESIDUAL": False, "BLOCK": cfg["BLOCK"], "ONE_CHUNK": cfg["BLOCK"] >= N},
+                        cfg["num_warps"])
         split_cfg = norm.forward_config(262144, rms, residual=rms)
         inspect(norm._forward_split_kernel, signature(norm._forward_split_kernel),
                 {**flags, "BLOCK": split_cfg["BLOCK"], "SLICES_POW2": 32}, split_cfg["num_warps"])

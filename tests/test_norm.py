@@ -382,12 +382,13 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(512, True)) == ("rows", 512)
     assert plan(norm_module.forward_config(513, True)) == ("long", 1024)
     assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
-    assert plan(norm_module.forward_config(8193, True)) == ("rows", 16384)
+    assert plan(norm_module.forward_config(8193, True)) == ("long", 16384)
+    assert plan(norm_module.forward_config(16385, True)) == ("long", 32768)
     assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
     assert plan(norm_module.forward_config(4096, False)) == ("rows", 4096)
+    assert plan(norm_module.forward_config(16385, False)) == ("long", 8192)
+    assert plan(norm_module.forward_config(24577, False)) == ("long", 16384)
     for rms in (True, False):
-        assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
-        assert plan(norm_module.forward_config(24577, rms)) == ("long", 16384)
         assert plan(norm_module.forward_config(32769, rms))[0] == "split"
     assert plan(norm_module.forward_config(32768, True, residual=True)) == ("rows", 32768)
     assert plan(norm_module.forward_config(32769, True, residual=True))[0] == "split"
