@@ -556,11 +556,14 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 # size is the rows plan's elements a tile at least (whole rows, BLOCK_M of them) and the
 # long plan's chunk. Past the last entry: the split plan. Measured on the H200 (kernel
 # alone, bf16; scripts/tune_norm.py, docs/perf-notes.md).
-# - RMSNorm from 513 to 8192: the long plan with the row as one chunk (pass 1 marks its
+# - RMSNorm from 513 to 16384: the long plan with the row as one chunk (pass 1 marks its
 #   loads evict_last, pass 2 re-reads the row from L1 / L2), as torch.compile's kernel at
 #   8192: 0.97 / 0.97 / 0.96 at 1024 / 4096 / 8192 against the rows plan's 0.95 / 0.95 /
-#   0.93-0.94 (it holds the tile in registers: fewer warps in flight). LayerNorm's long plan
-#   did not beat its rows plan there.
+#   0.93-0.94 (it holds the tile in registers: fewer warps in flight). Compiled as one known
+#   trip (ONE_CHUNK, no loop branches): 0.953 at 8192 (0.927-0.930 as a loop), 0.963 at
+#   16384 (the rows plan 0.927-0.931). One chunk of 32768 at 32 warps, compile's kernel at
+#   32768 (0.94 for compile), gave ours 0.83-0.88: not taken. LayerNorm's long plan did not
+#   beat its rows plan to 8192.
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
 #   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
 #   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
@@ -572,7 +575,7 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_PLANS = {
     "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
-            (16384, "long", 16384, 8), (32768, "long", 32768, 32)],
+            (16384, "long", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 16)],
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
               (32768, "long", 16384, 16)]}

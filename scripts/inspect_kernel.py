@@ -54,7 +54,7 @@ def inspect(fn, signature, constexprs, num_warps):
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
                                                                    "rows_per_program", "HQ", "HK", "S", "D")}
     if "ALIGN" in signature and "ALIGN" not in constexprs:  # rows of 16-divisible length (the bench's)
-        constexprs = {**constexprs, "ALIGN": 16}
+        constexprs = {**constexprs, "ALIGN": 1}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"
