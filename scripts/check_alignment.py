@@ -23,7 +23,7 @@ ce = importlib.import_module("pintail.cross_entropy")
 CASES = [(norm._forward_rows_kernel, {"RMS": False, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": True,
                                       "BLOCK_M": 2, "BLOCK_N": 1024}),
          (norm._forward_long_kernel, {"RMS": True, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": False,
-                                      "BLOCK": 1024}),
+                                      "BLOCK": 1024, "ONE_CHUNK": False}),
          (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024}),
          (softmax._forward_two_pass_kernel, {"LOG": False, "BLOCK": 8192}),
          (softmax._backward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024}),
