@@ -76,7 +76,7 @@ def launches():
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     y, rstd = torch.empty_like(x), torch.empty(8, device="cuda")
     args = (x, x, x, w, w, y, rstd, rstd, 8, 1024, 1.0 / 1024, x.stride(0), 0, 0, y.stride(0), 1e-6, 0.0)
-    flags = dict(RMS=True, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, BLOCK_M=2, BLOCK_N=1024)
+    flags = dict(RMS=True, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, BLOCK_M=2, BLOCK_N=1024, ALIGN=1)
     kernel = norm._forward_rows_kernel
     grid = (4, 1, 1)
     print(f"kernel[grid](...): {host_us(lambda: kernel[grid](*args, **flags, num_warps=4)):.1f} us", flush=True)
