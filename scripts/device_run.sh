@@ -59,7 +59,7 @@ case $mode in
                     "cross_entropy_fwd 32768"; do
             set -- $case
             # one report file in all: only ~8-10 files come back from a call
-            timeout 100 "$ncu" --clock-control none --profile-from-start off $sections \
+            timeout 100 "$ncu" --clock-control none --profile-from-start off --print-details all $sections \
                 python3 scripts/profile_kernel.py "$1" "$2" > /tmp/ncu.txt 2>&1
             echo "== $1 $2 (exit $?)"
             (echo "==== $1 $2"; cat /tmp/ncu.txt) >> "$OUT/ncu-reports.txt"
