@@ -14,7 +14,7 @@ Kernels, four plans by row length N (tables at the end of the kernels):
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row.
 - long: a program per row in two passes (statistics, then the output), the second pass
-  re-reading the row (also RMSNorm's forward of rows of 513-8192, as one chunk); the
+  re-reading the row (also RMSNorm's forward of rows of 513-16384, as one chunk); the
   backward (LayerNorm) on a grid of (row blocks x column chunks), each program keeping its
   chunk's dweight / dbias in registers, after a first small kernel has computed each row's
   sums mean(g x^), mean(g) (x and dy are read twice).
@@ -251,10 +251,9 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
     # sums of s = x - first (the row's first value); the first word with its lowest mantissa
     # bit set so that it is never 0 (it adds one ulp, or 1.4e-45 to a zero). The waiter
     # merges them (Chan et al.): a sum of squares that cannot cancel, and a mean of x itself,
-    # not first + mean(s), which would round at the scale of x - first. The
-    # lagged write recomputes h = x + residual from its inputs (from L2) rather than
-    # re-reading the h just stored by another program, which would need a release / acquire
-    # pair to be visible.
+    # not first + mean(s), which would round at the scale of x - first. The lagged write
+    # recomputes h = x + residual from its inputs (from L2) rather than re-reading the h just
+    # stored by another program, which would need a release / acquire pair to be visible.
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -668,8 +667,9 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
     elif cfg["plan"] == "long":
+        block = min(cfg["BLOCK"], next_power_of_2(N))
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
-               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), ONE_CHUNK=cfg["BLOCK"] >= N, ALIGN=align)
+               BLOCK=block, ONE_CHUNK=block >= N, ALIGN=align)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

@@ -15,7 +15,7 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 @pytest.fixture(params=["rows", "long", "split"])
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
-    RMSNorm's forward of rows of 513-8192: the long plan, the row one chunk); 'long' sends
+    RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk); 'long' sends
     every forward to the long plan with short chunks and empties the backward's rows tables
     (both norms' backward take the long plan); 'split' does too and sends the forward to the split
     plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
