@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
-                      no_second_derivative, row_alignment, runs_kernels)
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, in_row, launch,
+                      next_power_of_2, no_second_derivative, row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -96,7 +96,7 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
 @triton.jit
 def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGN: tl.constexpr):
+                             EVEN: tl.constexpr, ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
@@ -107,7 +107,7 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     total = 0.0
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf"),
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row(cols, N, EVEN), other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(x, axis=0))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: sum 0, not NaN
@@ -116,13 +116,14 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     log2_total = tl.log2(total)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0,
+        mask = in_row(cols, N, EVEN)  # unmasked where the row is whole chunks (_launch.in_row)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         if LOG:
             y = (x - row_max) - log2_total * LN2
         else:
             y = tl.exp2((x - row_max) * LOG2E - log2_total)
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -295,7 +296,8 @@ def launch_forward(x, y, log, config=None):
                num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
-               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+               EVEN=N % cfg["BLOCK"] == 0, ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
+               num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(
