@@ -49,17 +49,19 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                          x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                          RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ALIGN: tl.constexpr):
+                         EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
     # from deviations about the mean (two passes over registers, not over HBM). A program
-    # per tile: a persistent grid that loaded the weight once measured 0.05 lower.
+    # per tile: a persistent grid that loaded the weight once measured 0.05 lower. EVEN
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
     if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (cols < N)[None, :]
+    row_mask = in_row(rows, M, EVEN)
+    col_mask = in_row(cols, N, EVEN)
+    mask = row_mask[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if not RMS:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
@@ -88,9 +90,9 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] + weight_offset
+        y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -668,7 +670,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0,
+               ALIGN=align)
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,

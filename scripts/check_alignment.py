@@ -23,7 +23,7 @@ ce = importlib.import_module("pintail.cross_entropy")
 CASES = [(norm._forward_rows_kernel, {"RMS": False, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": True,
                                       "BLOCK_M": 2, "BLOCK_N": 1024}),
          (norm._forward_long_kernel, {"RMS": True, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": False,
-                                      "BLOCK": 1024}),
+                                      "BLOCK": 1024, "ONE_CHUNK": False}),
          (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024}),
          (softmax._forward_two_pass_kernel, {"LOG": False, "BLOCK": 8192}),
          (softmax._backward_rows_kernel, {"LOG": False, "BLOCK_M": 2, "BLOCK_N": 1024}),
@@ -46,7 +46,8 @@ def main():
         # pointers 16-byte aligned (torch's allocations); sizes and strides without Triton's 16-divisibility
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
         for align in (1, 8):
-            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, "ALIGN": align}, attrs=attrs)
+            even = {"EVEN": False} if "EVEN" in signature else {}  # odd rows: masked
+            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **even, "ALIGN": align}, attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             path = "/tmp/pintail_alignment.cubin"
             with open(path, "wb") as f:
