@@ -320,7 +320,8 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
 def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                           x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                           RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                          ALIGN: tl.constexpr):
     # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
     # order, so dweight / dbias come out the same on every run), writes their dx and keeps
     # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
@@ -330,7 +331,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    col_mask = in_row(cols, N, EVEN)  # EVEN: N == BLOCK_N, no column mask (_launch.in_row)
     if HAS_WEIGHT:
         w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -734,7 +735,7 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     dh_or_dy = dh if dh is not None else dy
     if cfg["plan"] == "rows":
         launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
-               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block, EVEN=N == block)
     elif cfg["plan"] == "blocks":
         slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
         launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,
