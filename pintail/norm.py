@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, launch, next_power_of_2, no_second_derivative,
-                      program_slots, row_alignment, runs_kernels, unit_stride)
+from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2,
+                      no_second_derivative, program_slots, row_alignment, runs_kernels, unit_stride)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -49,17 +49,19 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                          x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                          RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ALIGN: tl.constexpr):
+                         EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
     # from deviations about the mean (two passes over registers, not over HBM). A program
-    # per tile: a persistent grid that loaded the weight once measured 0.05 lower.
+    # per tile: a persistent grid that loaded the weight once measured 0.05 lower. EVEN
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
     if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (cols < N)[None, :]
+    row_mask = in_row(rows, M, EVEN)
+    col_mask = in_row(cols, N, EVEN)
+    mask = row_mask[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if not RMS:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
@@ -88,9 +90,9 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] + weight_offset
+        y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,12 +100,14 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
 def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, EVEN: tl.constexpr,
+                    ALIGN: tl.constexpr):
     # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
     # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
     # residual, pass 2 reads the h just stored: no hints there (not measured). ONE_CHUNK
     # (BLOCK >= N): loops of one trip known at compile time, so straight-line code, where the
-    # compiler may issue pass 2's loads before pass 1's reduction ends.
+    # compiler may issue pass 2's loads before pass 1's reduction ends. EVEN: unmasked
+    # (_launch.in_row).
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
@@ -119,7 +123,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     sums = 0.0  # LayerNorm: of s
     for start in range(0, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
+        mask = in_row(cols, N, EVEN)
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
         if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
             x += tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -139,7 +143,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         drift = 0.0
         for start in range(0, end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
+            mask = in_row(cols, N, EVEN)
             x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=keep).to(tl.float32)
             chunk_deviations, chunk_drift = _deviation_sums(x, mean, mask, 0)
             deviations += chunk_deviations
@@ -152,7 +156,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     # pass 2: the output
     for start in range(0, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
+        mask = in_row(cols, N, EVEN)
         if HAS_RESIDUAL:  # h as stored, so that forward and backward see the same rounding
             x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -315,7 +319,8 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
 def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                           x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                           RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                          ALIGN: tl.constexpr):
     # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
     # order, so dweight / dbias come out the same on every run), writes their dx and keeps
     # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
@@ -325,7 +330,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    col_mask = in_row(cols, N, EVEN)  # EVEN: N == BLOCK_N, no column mask (_launch.in_row)
     if HAS_WEIGHT:
         w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -377,7 +382,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
 @triton.jit
 def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_n, x_row_stride, dy_row_stride,
                      weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
-                     ALIGN: tl.constexpr):
+                     EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
     if ALIGN > 1:  # as in the forward
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
@@ -388,7 +393,7 @@ def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_
     sum_g = 0.0
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
+        mask = in_row(cols, N, EVEN)
         g = _g_chunk(w_ptr, dy_ptr, row, cols, mask, dy_row_stride, weight_offset, HAS_WEIGHT)
         x_hat = (tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd
         sum_gx += tl.sum(g * x_hat, axis=0)
@@ -410,7 +415,7 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
                             M, N, inv_n, rows_per_program, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride,
                             weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                             HAS_DH: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                            ALIGN: tl.constexpr):
+                            EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # Program (row block, column chunk): dx of the chunk for each row of the block, and the
     # chunk's dweight / dbias summed over the block.
     if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
@@ -418,7 +423,7 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
+    mask = in_row(cols, N, EVEN)
     if HAS_WEIGHT:
         w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
     dw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -458,7 +463,7 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
                             SLICES, x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr,
                             ROWS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
-                            ALIGN: tl.constexpr):
+                            EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # RMSNorm, rows too long for one program: x and dy read from HBM once (the long plan
     # reads them twice). Ticket t (an atomic counter, as in pintail/_split.py) is slice
     # t % SLICES of the block of ROWS rows t // SLICES. The SLICES programs holding a block
@@ -478,7 +483,7 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
         block = ticket // SLICES
         slice_index = ticket % SLICES
         cols = slice_index * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
+        mask = in_row(cols, N, EVEN)
         if HAS_WEIGHT:
             w_eff = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
         else:
@@ -665,11 +670,12 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align)
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0,
+               ALIGN=align)
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
-               BLOCK=block, ONE_CHUNK=block >= N, ALIGN=align)
+               BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
@@ -728,21 +734,22 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     dh_or_dy = dh if dh is not None else dy
     if cfg["plan"] == "rows":
         launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
-               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block)
+               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block, EVEN=N == block)
     elif cfg["plan"] == "blocks":
         slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
         launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,
                M, N, 1.0 / N, slices, *strides, **flags, ROWS=cfg["ROWS"], BLOCK=block,
-               SLICES_POW2=next_power_of_2(slices))
+               SLICES_POW2=next_power_of_2(slices), EVEN=N % block == 0)
     else:
         sums = mean  # any pointer: read only when a row spans several chunks
         if chunks > 1:
             sums = torch.empty(2 * M, dtype=torch.float32, device=x.device)
             launch(_row_sums_kernel, (M,), x, w, dy, mean, rstd, sums, N, 1.0 / N, x.stride(0), dy.stride(0),
-                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, ALIGN=align,
-                   num_warps=cfg["num_warps"])
+                   weight_offset, RMS=rms, HAS_WEIGHT=weight is not None, BLOCK=block, EVEN=N % block == 0,
+                   ALIGN=align, num_warps=cfg["num_warps"])
         launch(_backward_chunks_kernel, (parts, chunks), x, w, dy, dh_or_dy, mean, rstd, sums, *outputs, M, N,
-               1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block)
+               1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block,
+               EVEN=N % block == 0)
     return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
 
 

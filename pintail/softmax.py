@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, launch, next_power_of_2,
-                      no_second_derivative, row_alignment, runs_kernels)
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, in_row, launch,
+                      next_power_of_2, no_second_derivative, row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -36,14 +36,15 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 
 @triton.jit
-def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
-                         LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
-    # One tile of BLOCK_M whole rows: read once, reduce in registers, write once.
+def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+    # One tile of BLOCK_M whole rows: read once, reduce in registers, write once. EVEN
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
                 other=-float("inf")).to(tl.float32)
@@ -96,7 +97,7 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
 @triton.jit
 def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGN: tl.constexpr):
+                             EVEN: tl.constexpr, ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
@@ -107,7 +108,7 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     total = 0.0
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf"),
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row(cols, N, EVEN), other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(x, axis=0))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: sum 0, not NaN
@@ -116,13 +117,14 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     log2_total = tl.log2(total)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0,
+        mask = in_row(cols, N, EVEN)  # unmasked where the row is whole chunks (_launch.in_row)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         if LOG:
             y = (x - row_max) - log2_total * LN2
         else:
             y = tl.exp2((x - row_max) * LOG2E - log2_total)
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -132,13 +134,14 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
 
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                          ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the forward
         N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
         dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]  # as in the forward
     rows = rows.to(tl.int64)
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -284,6 +287,11 @@ def backward_config(N, log):
     return cfg
 
 
+def _whole_tiles(M, N, cfg):
+    """The rows plan's EVEN: every tile whole, so that its loads and stores need no mask."""
+    return N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0
+
+
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
@@ -291,11 +299,12 @@ def launch_forward(x, y, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
-               num_warps=cfg["num_warps"])
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=_whole_tiles(M, N, cfg),
+               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
-               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+               EVEN=N % cfg["BLOCK"] == 0, ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
+               num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(
@@ -311,7 +320,7 @@ def launch_backward(y, dy, dx, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=_whole_tiles(M, N, cfg),
                ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)

@@ -46,7 +46,8 @@ def main():
         # pointers 16-byte aligned (torch's allocations); sizes and strides without Triton's 16-divisibility
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
         for align in (1, 8):
-            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, "ALIGN": align}, attrs=attrs)
+            even = {"EVEN": False} if "EVEN" in signature else {}  # odd rows: masked
+            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **even, "ALIGN": align}, attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             path = "/tmp/pintail_alignment.cubin"
             with open(path, "wb") as f:

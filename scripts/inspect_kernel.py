@@ -55,6 +55,8 @@ def inspect(fn, signature, constexprs, num_warps):
                                                                    "rows_per_program", "HQ", "HK", "S", "D")}
     if "ALIGN" in signature and "ALIGN" not in constexprs:  # rows of 16-divisible length (the bench's)
         constexprs = {**constexprs, "ALIGN": 1}
+    if "EVEN" in signature and "EVEN" not in constexprs:  # rows of whole chunks (the bench's)
+        constexprs = {**constexprs, "EVEN": True}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"
