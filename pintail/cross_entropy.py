@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, in_row, launch, next_power_of_2,
-                      no_second_derivative, row_alignment, runs_kernels)
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
+                      row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -129,7 +129,7 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 @triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
                     z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                    BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss.
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
@@ -142,7 +142,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
     weight_total = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = in_row(cols, V, EVEN)
+        mask = cols < V
         x = _logits(x_row, cols, mask, softcap, SOFTCAP)
         new_max, running_sum = _online_lse_step(x, running_max, running_sum)
         if SMOOTH:
@@ -178,7 +178,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
 @triton.jit
 def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
                           smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                          BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
     # B = sum_j w_j y'_j; loss = B * log-sum - A.
     if ALIGN > 1:  # as in _forward_kernel
@@ -192,7 +192,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     mass = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = in_row(cols, V, EVEN)
+        mask = cols < V
         x = _logits(x_row, cols, mask, softcap, SOFTCAP)
         new_max, running_sum = _online_lse_step(x, running_max, running_sum)
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -227,13 +227,13 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
                      x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
-                     BLOCK: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     # One chunk of one row: read the logits again, write the gradient.
     if ALIGN > 1:  # as in the forward
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = in_row(cols, V, EVEN)
+    mask = cols < V
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
@@ -271,13 +271,13 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
 def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                            x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
                            HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
-                           EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                           ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the forward
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
         y_row_stride = aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = in_row(cols, V, EVEN)
+    mask = cols < V
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     mass = tl.load(mass_ptr + row)
@@ -340,8 +340,7 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
-    block = _block(V, FORWARD_BLOCK)
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=block, EVEN=V % block == 0,
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
                   ALIGN=row_alignment(V, *strides), num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
@@ -385,7 +384,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  EVEN=V % block == 0, ALIGN=row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
+                  ALIGN=row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),

@@ -97,7 +97,7 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
 @triton.jit
 def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
-                             EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                             ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
@@ -108,7 +108,7 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     total = 0.0
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row(cols, N, EVEN), other=-float("inf"),
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(x, axis=0))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # all -inf so far: sum 0, not NaN
@@ -117,14 +117,13 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
     log2_total = tl.log2(total)
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = in_row(cols, N, EVEN)  # unmasked where the row is whole chunks (_launch.in_row)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0,
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         if LOG:
             y = (x - row_max) - log2_total * LN2
         else:
             y = tl.exp2((x - row_max) * LOG2E - log2_total)
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -134,14 +133,13 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
 
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-                          ALIGN: tl.constexpr):
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the forward
         N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
         dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]  # as in the forward
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows = rows.to(tl.int64)
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -303,8 +301,7 @@ def launch_forward(x, y, log, config=None):
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
-               EVEN=N % cfg["BLOCK"] == 0, ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(
@@ -320,7 +317,7 @@ def launch_backward(y, dy, dx, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=_whole_tiles(M, N, cfg),
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)

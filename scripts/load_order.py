@@ -22,7 +22,6 @@ import inspect_kernel
 
 norm = importlib.import_module("pintail.norm")
 softmax = importlib.import_module("pintail.softmax")
-ce = importlib.import_module("pintail.cross_entropy")
 CASES = [
     (norm._forward_long_kernel, {"RMS": True, "HAS_RESIDUAL": False, "HAS_WEIGHT": True, "HAS_BIAS": False,
                                  "BLOCK": 32768, "ONE_CHUNK": True, "ALIGN": 1}, 32),
@@ -30,8 +29,7 @@ CASES = [
                                  "BLOCK": 16384, "ONE_CHUNK": False, "ALIGN": 1}, 16),
     (norm._backward_chunks_kernel, {"RMS": False, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DH": False,
                                     "ONE_CHUNK": False, "BLOCK": 4096, "ALIGN": 1}, 16),
-    (softmax._forward_two_pass_kernel, {"LOG": False, "BLOCK": 8192, "ALIGN": 1}, 8),
-    (ce._forward_kernel, {"HAS_WEIGHT": False, "SMOOTH": False, "SOFTCAP": False, "BLOCK": 8192, "ALIGN": 1}, 4),
+    (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 1, "BLOCK_N": 16384, "ALIGN": 1}, 8),
 ]
 
 
@@ -65,7 +63,7 @@ def main():
     for fn, constexprs, warps in CASES:
         for even in (False, True):
             registers, order = sass(fn, {**constexprs, "EVEN": even}, warps)
-            print(f"{fn.__name__} BLOCK={constexprs['BLOCK']} warps={warps} EVEN={even} {registers}:\n    {order}")
+            print(f"{fn.__name__} BLOCK={constexprs.get('BLOCK', constexprs.get('BLOCK_N'))} warps={warps} EVEN={even} {registers}:\n    {order}")
 
 
 if __name__ == "__main__":
