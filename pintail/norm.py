@@ -574,12 +574,15 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   row flagged for the exact statistics), where its rows plan (a 32768-wide tile) gave
 #   0.67 / 0.78 (0.65 at 32768 flagged). 16384-element chunks lose where the second is
 #   mostly masked (RMSNorm 0.68 / 0.77 at 20000 / 24576). Past 32768 the second read misses
-#   L2 and the split plan wins.
+#   L2 and the split plan wins. 16384-element chunks at 8 warps, not 16, since the chunks
+#   of whole rows are unmasked (EVEN): RMSNorm 0.87 / 0.87 / 0.85 / 0.90-0.92 at 26000 /
+#   28672 / 30000 / 32768 against 0.82 / 0.82 / 0.88 / 0.90; LayerNorm gains at 32768 only
+#   (0.83 against 0.81) and loses 0.11-0.17 at 26000-30000, so it keeps 16 warps.
 # - RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
 #   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_PLANS = {
     "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
-            (16384, "long", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 16)],
+            (16384, "long", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 8)],
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
               (32768, "long", 16384, 16)]}
