@@ -603,7 +603,8 @@ FORWARD_SPLIT = {"rms": {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRA
 BACKWARD_LONG = {"plan": "long", "BLOCK": 4096, "num_warps": 16, "PROGRAMS_PER_SM": 2}
 # RMSNorm past its rows plan: x and dy read once (0.60-0.64 of copy against the long plan's
 # 0.56 at N = 32768-262144, scripts/exp_norm_blocks_backward.py). LayerNorm keeps the long
-# plan: its blocks kernel (two sums a row, the mean) measured 0.42-0.49 at 168-176 registers.
+# plan: its blocks kernel (two sums a row, the mean) measured 0.42-0.49 at 168-176 registers,
+# and 0.40-0.52 with the two sums as one reduction at 96-162 (session 11, branch next/layer-blocks).
 BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_warps": 4, "PROGRAMS_PER_SM": 4}}
 # With the residual's gradient dh (a third read; 166 registers at 2048 / 4 warps, so 3
 # programs per SM where 4 are counted), longer slices on fewer programs past 65536 (kernel
