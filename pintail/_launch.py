@@ -63,6 +63,12 @@ def in_row(cols, N, EVEN: tl.constexpr):
         return cols < N
 
 
+def whole_tiles(M: int, N: int, cfg: dict) -> bool:
+    """A rows plan's EVEN: rows of exactly BLOCK_N and a multiple of BLOCK_M of them, so that
+    every tile is whole and its loads and stores need no mask (in_row)."""
+    return N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0
+
+
 # Compiled kernels by (kernel, device, specialisation, launch options): see launch().
 _COMPILED = {}
 _TRITON_3_6 = triton.__version__.startswith("3.6.")

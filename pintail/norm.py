@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2,
-                      no_second_derivative, program_slots, row_alignment, runs_kernels, unit_stride)
+                      no_second_derivative, program_slots, row_alignment, runs_kernels, unit_stride, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -674,8 +674,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0,
-               ALIGN=align)
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align)
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,

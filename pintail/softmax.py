@@ -26,7 +26,7 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, in_row, launch,
-                      next_power_of_2, no_second_derivative, row_alignment, runs_kernels)
+                      next_power_of_2, no_second_derivative, row_alignment, runs_kernels, whole_tiles)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -285,11 +285,6 @@ def backward_config(N, log):
     return cfg
 
 
-def _whole_tiles(M, N, cfg):
-    """The rows plan's EVEN: every tile whole, so that its loads and stores need no mask."""
-    return N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0
-
-
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
@@ -297,7 +292,7 @@ def launch_forward(x, y, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=_whole_tiles(M, N, cfg),
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
