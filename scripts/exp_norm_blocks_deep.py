@@ -82,8 +82,9 @@ def deep_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, M, N,
         ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
 
-def backward(dy, x, w, rstd, cfg):
-    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight)."""
+def backward(dy, x, w, rstd, cfg, kernel=deep_kernel, **constexprs):
+    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight) by `kernel`
+    (this one, or another variant of the library's blocks kernel with its constexprs)."""
     M, N = x.shape
     block = cfg["BLOCK"] if not launch_module.INTERPRET else launch_module.next_power_of_2(N)
     slices = launch_module.cdiv(N, block)
@@ -92,10 +93,11 @@ def backward(dy, x, w, rstd, cfg):
     dw = torch.empty(blocks, N, dtype=torch.float32, device=x.device)
     slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)
     programs = launch_module.program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-    assert slices <= programs
-    launch_module.launch(deep_kernel, (min(programs, blocks * slices),), x, w, dy, rstd, slots, dx, dw, M, N, 1.0 / N,
+    assert slices <= launch_module.program_slots(x.device, 1)  # a row's slices all run at once
+    launch_module.launch(kernel, (min(programs, blocks * slices),), x, w, dy, rstd, slots, dx, dw, M, N, 1.0 / N,
                          slices, x.stride(0), dy.stride(0), dx.stride(0), ROWS=cfg["ROWS"], BLOCK=block,
-                         SLICES_POW2=launch_module.next_power_of_2(slices), num_warps=cfg["num_warps"])
+                         SLICES_POW2=launch_module.next_power_of_2(slices), **constexprs,
+                         num_warps=cfg["num_warps"])
     return dx, dw.sum(0)
 
 
@@ -105,19 +107,39 @@ def library(dy, x, w, rstd, cfg):
     return dx, dw
 
 
-def check(device):
-    """Against the library's blocks plan: blocks that end past the last row, blocks of one
-    and two rows (the look-ahead masked off), several slices on a GPU."""
+def check_against_library(name, variant, device):
+    """variant(dy, x, w, rstd, cfg) against the library's blocks plan: blocks that end past
+    the last row, blocks of one and two rows (a look-ahead masked off), several slices on a GPU."""
     for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 1, 64),
                               (2, 1, 4, 64), (40, 200, 32, 64)):
         cfg = {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 4}
         x, w, dy = torch.randn(M, N, device=device), torch.randn(N, device=device), torch.randn(M, N, device=device)
         _, _, _, rstd = norm._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
-        got, want = backward(dy, x, w, rstd, cfg), library(dy, x, w, rstd, cfg)
+        got, want = variant(dy, x, w, rstd, cfg), library(dy, x, w, rstd, cfg)
         for g, r in zip(got, want):
             err = ((g - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
-            assert err < 1e-5, f"M={M} N={N} rows={rows}: relative error {err}"
-    print(f"two-ahead blocks backward matches the library's ({device})", flush=True)
+            assert err < 1e-5, f"{name} M={M} N={N} rows={rows}: relative error {err}"
+    print(f"{name} blocks backward matches the library's ({device})", flush=True)
+
+
+def check(device):
+    check_against_library("two-ahead", backward, device)
+
+
+def time_against_library(check, runs):
+    """After check(device): per long-row size, the library's blocks plan (with each of
+    LIBRARY_CONFIGS) and each labelled variant(dy, x, w, rstd) of `runs`, as fractions of copy."""
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(check):
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        _, _, _, rstd = norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)
+        for cfg in LIBRARY_CONFIGS:
+            print_fraction(f"N={N} library blocks {cfg}", lambda: library(dy, x, w, rstd, cfg), 3 * x.numel() * 2,
+                           copy_bw)
+        for label, variant in runs.items():
+            print_fraction(f"N={N} {label}", lambda: variant(dy, x, w, rstd), 3 * x.numel() * 2, copy_bw)
 
 
 # Programs per SM from the registers (--inspect, sm_90): 2048 / 4 warps 168 (3 fit), 1024 / 4
@@ -138,17 +160,8 @@ def inspect():
 
 
 def main():
-    from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(check):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        _, _, _, rstd = norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)
-        nbytes = 3 * x.numel() * 2
-        runs = {f"library blocks {cfg}": (lambda cfg=cfg: library(dy, x, w, rstd, cfg)) for cfg in LIBRARY_CONFIGS}
-        runs.update({f"two ahead {cfg}": (lambda cfg=cfg: backward(dy, x, w, rstd, cfg)) for cfg in CONFIGS})
-        for name, fn in runs.items():
-            print_fraction(f"N={N} {name}", fn, nbytes, copy_bw)
+    time_against_library(check, {f"two ahead {cfg}": (lambda dy, x, w, rstd, cfg=cfg: backward(dy, x, w, rstd, cfg))
+                                 for cfg in CONFIGS})
 
 
 if __name__ == "__main__":

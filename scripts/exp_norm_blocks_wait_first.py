@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+import exp_norm_blocks_deep as deep
+
 norm = importlib.import_module("pintail.norm")
 split = importlib.import_module("pintail._split")
-launch_module = importlib.import_module("pintail._launch")
 
 
 @triton.jit(do_not_specialize=["SLICES"])
@@ -81,45 +82,17 @@ def wait_first_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr,
 
 
 def backward(dy, x, w, rstd, cfg):
-    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight)."""
-    M, N = x.shape
-    block = cfg["BLOCK"] if not launch_module.INTERPRET else launch_module.next_power_of_2(N)
-    slices = launch_module.cdiv(N, block)
-    blocks = launch_module.cdiv(M, cfg["ROWS"])
-    dx = torch.empty_like(x)
-    dw = torch.empty(blocks, N, dtype=torch.float32, device=x.device)
-    slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)
-    programs = launch_module.program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-    assert slices <= launch_module.program_slots(x.device, 1)
-    launch_module.launch(wait_first_kernel, (min(programs, blocks * slices),), x, w, dy, rstd, slots, dx, dw, M, N,
-                         1.0 / N, slices, x.stride(0), dy.stride(0), dx.stride(0), ROWS=cfg["ROWS"], BLOCK=block,
-                         SLICES_POW2=launch_module.next_power_of_2(slices),
-                         PUBLISH_BEFORE_DX=cfg["PUBLISH_BEFORE_DX"], num_warps=cfg["num_warps"])
-    return dx, dw.sum(0)
-
-
-def library(dy, x, w, rstd, cfg):
-    dx, dw, _ = norm._backward(dy, None, x, w, False, rstd, rstd, 0.0, True, x.dtype,
-                               {**norm.BACKWARD_BLOCKS["rms"], **cfg})
-    return dx, dw
+    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight); publishing
+    before dx unless cfg says PUBLISH_BEFORE_DX False."""
+    return deep.backward(dy, x, w, rstd, cfg, kernel=wait_first_kernel,
+                         PUBLISH_BEFORE_DX=cfg.get("PUBLISH_BEFORE_DX", True))
 
 
 def check(device):
-    """Against the library's blocks plan: blocks that end past the last row, blocks of one
-    row, several slices on a GPU, both orders."""
     for before in (True, False):
-        for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 1, 64),
-                                  (2, 1, 4, 64), (40, 200, 32, 64)):
-            cfg = {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 4, "PUBLISH_BEFORE_DX": before}
-            x, w, dy = (torch.randn(M, N, device=device), torch.randn(N, device=device),
-                        torch.randn(M, N, device=device))
-            _, _, _, rstd = norm._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
-            lib_cfg = {key: cfg[key] for key in ("ROWS", "BLOCK", "num_warps", "PROGRAMS_PER_SM")}
-            got, want = backward(dy, x, w, rstd, cfg), library(dy, x, w, rstd, lib_cfg)
-            for g, r in zip(got, want):
-                err = ((g - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
-                assert err < 1e-5, f"M={M} N={N} rows={rows} before={before}: relative error {err}"
-    print(f"wait-first blocks backward matches the library's ({device})", flush=True)
+        deep.check_against_library(
+            f"wait-first (publish before dx: {before})",
+            lambda dy, x, w, rstd, cfg: backward(dy, x, w, rstd, {**cfg, "PUBLISH_BEFORE_DX": before}), device)
 
 
 # The library's slices and smaller ones (more programs, the same bytes per SM); programs per
@@ -140,17 +113,8 @@ def inspect():
 
 
 def main():
-    from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(check):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        _, _, _, rstd = norm._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype)
-        nbytes = 3 * x.numel() * 2
-        runs = {"library blocks": lambda: library(dy, x, w, rstd, {})}
-        runs.update({f"wait first {cfg}": (lambda cfg=cfg: backward(dy, x, w, rstd, cfg)) for cfg in CONFIGS})
-        for name, fn in runs.items():
-            print_fraction(f"N={N} {name}", fn, nbytes, copy_bw)
+    runs = {f"wait first {cfg}": (lambda dy, x, w, rstd, cfg=cfg: backward(dy, x, w, rstd, cfg)) for cfg in CONFIGS}
+    deep.time_against_library(check, runs)
 
 
 if __name__ == "__main__":
