@@ -213,7 +213,12 @@ def benchmark(args):
                   "compile": torch.compile(op.torch, dynamic=False)}[provider]
             inputs, others = op.make(M, N, dtype, "cuda")
             nbytes = sum(t.numel() for t in inputs) * elem * op.directions[direction]
-            ms = _time_ms(_step(fn, direction, inputs, others))
+            # The backward on the calling thread, not autograd's per-device worker: handing
+            # each grad() to that thread put 0.1-0.3 ms of host time into some samples of the
+            # ~0.2-0.45 ms steps, moving a row by up to 0.4 between runs with the same kernels
+            # (scripts/exp_bench_spread.py). The GPU work is the same; every provider alike.
+            with torch.autograd.set_multithreading_enabled(False):
+                ms = _time_ms(_step(fn, direction, inputs, others))
             tbps = nbytes / (ms * 1e-3) / 1e12
             results.append({"op": name, "direction": direction, "M": M, "N": N, "provider": provider,
                             "ms": ms, "tbps": tbps, "fraction_of_copy": tbps * 1e12 / copy_bw})

@@ -107,11 +107,14 @@ def library(dy, x, w, rstd, cfg):
     return dx, dw
 
 
-def check_against_library(name, variant, device):
+CHECK_CASES = ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 1, 64), (2, 1, 4, 64),
+               (40, 200, 32, 64))  # (M, N, rows a block, slice)
+
+
+def check_against_library(name, variant, device, cases=CHECK_CASES):
     """variant(dy, x, w, rstd, cfg) against the library's blocks plan: blocks that end past
     the last row, blocks of one and two rows (a look-ahead masked off), several slices on a GPU."""
-    for M, N, rows, block in ((13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 1, 64),
-                              (2, 1, 4, 64), (40, 200, 32, 64)):
+    for M, N, rows, block in cases:
         cfg = {"ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": 4}
         x, w, dy = torch.randn(M, N, device=device), torch.randn(N, device=device), torch.randn(M, N, device=device)
         _, _, _, rstd = norm._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
