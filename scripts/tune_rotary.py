@@ -3,7 +3,7 @@ bf16, (batch, heads, seq, dim), half-split pairs, the BENCHMARKS.md shape; forwa
 backward kernels launched directly (no autograd), as fractions of the copy bandwidth; the
 library's configuration first, marked "(default)".
 
-    python scripts/tune_rotary.py [--default-only]
+    python scripts/tune_rotary.py [--default-only] [--interleaved]   # GPT-J pairs (2i, 2i + 1)
 """
 
 import importlib
@@ -23,7 +23,9 @@ def main():
     k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
     freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    interleaved = "--interleaved" in sys.argv
+    table = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
+    cos, sin = table.cos(), table.sin()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
     default = (rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
@@ -32,7 +34,7 @@ def main():
     for tile, heads, warps in sweep:
         rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS = tile, heads, warps
         for backward in (False, True):
-            fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, backward)
+            fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, interleaved, backward)
             ms = time_ms(fn)
             mark = " (default)" if (tile, heads, warps) == default else ""
             print(f"{'bwd' if backward else 'fwd'} tile={tile} heads={heads} warps={warps}: {ms:.4f} ms "

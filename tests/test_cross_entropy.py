@@ -377,6 +377,19 @@ def test_check_kernel_counts_bad_targets_past_its_block(device):
         check.finish()
 
 
+def test_check_sees_targets_written_just_before_the_call(device):
+    """On a GPU the check runs on a side stream: it must wait for the caller's stream, or a
+    target written there just before the call (behind a long kernel) is read stale."""
+    if device.type != "cuda":
+        pytest.skip("streams are a GPU matter")
+    x = torch.randn(4, 40, device=device)
+    target = torch.tensor([1, 2, 3, 4], device=device)
+    torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time on the caller's stream before the write
+    target[2] = 40
+    with pytest.raises(IndexError, match=r"target\[2\] = 40 is out of bounds"):
+        pintail.cross_entropy(x, target)
+
+
 def test_bad_input(device):
     x = torch.randn(4, 10, device=device)
     t = torch.randint(0, 10, (4,), device=device)
