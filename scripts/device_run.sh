@@ -13,6 +13,8 @@
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
 #   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
+#   bash scripts/device_run.sh profile-source     # ncu's warp-stall samples per SASS instruction: RMSNorm blocks
+#                                                  # backward, rotary, softmax split forward (scripts/top_stalls.py)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
@@ -68,11 +70,22 @@ case $mode in
             grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
                 /tmp/ncu.txt | head -24
         done ;;
+    profile-source)  # warp-stall samples per SASS instruction (scripts/top_stalls.py); raw CSVs in $OUT
+        ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        for case in "rms_bwd 131072" "rotary_fwd 4096" "softmax_fwd 131072"; do
+            set -- $case
+            timeout 150 "$ncu" --clock-control none --profile-from-start off --section SourceCounters \
+                --section WarpStateStats --import-source yes -f -o /tmp/source \
+                python3 scripts/profile_kernel.py "$1" "$2" > /tmp/ncu.txt 2>&1
+            echo "== $1 $2 (exit $?)"; grep -E "ERR|rror" /tmp/ncu.txt | head -5
+            "$ncu" -i /tmp/source.ncu-rep --page source --csv --print-source sass > "$OUT/source-$1-$2.csv" 2>&1
+            python3 scripts/top_stalls.py "$OUT/source-$1-$2.csv" --top 25
+        done ;;
     sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans (small shapes)
         timeout 560 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_norm.py \
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
     *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments" \
-            "| ab DIR SCRIPT [args] | profile | sanitize"; exit 2 ;;
+            "| ab DIR SCRIPT [args] | profile | profile-source | sanitize"; exit 2 ;;
 esac

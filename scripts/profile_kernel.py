@@ -25,6 +25,7 @@ import pintail
 
 norm = importlib.import_module("pintail.norm")
 softmax_module = importlib.import_module("pintail.softmax")
+rotary_module = importlib.import_module("pintail.rotary")
 
 
 def cases(N, device, elements):
@@ -63,11 +64,20 @@ def cases(N, device, elements):
         x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
         return lambda: pintail.cross_entropy(x, t, check_target=False, reduction="none")
 
+    def rotary_fwd():
+        # the bench's q (8, 32, S, 128) and k (8, 8, S, 128), S = N; half-split pairs
+        S = N if device == "cuda" else 8
+        q, k = torch.randn(8, 32, S, 128, **bf16), torch.randn(8, 8, S, 128, **bf16)
+        angles = torch.outer(torch.arange(S, device=device).float(), torch.rand(64, device=device))
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        return lambda: rotary_module._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, False)
+
     # softmax_fwd_split: the split plan at any N (at 32768 beside the library's two passes)
     return {"softmax_fwd": softmax_fwd(), "softmax_fwd_split": softmax_fwd(softmax_module.FORWARD_SPLIT),
             "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
             "layer_fwd": norm_fwd(False), "rms_bwd": norm_bwd(True), "layer_bwd": norm_bwd(False),
-            "cross_entropy_fwd": cross_entropy_fwd}
+            "cross_entropy_fwd": cross_entropy_fwd, "rotary_fwd": rotary_fwd}
 
 
 def profile(name, N):
