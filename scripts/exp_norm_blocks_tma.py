@@ -129,17 +129,10 @@ def backward(dy, x, w, rstd, cfg):
     """(dx, dweight) of RMSNorm rows x[M, N] (contiguous, N * elem a multiple of 16 bytes:
     TMA's rule) with a weight (float32 dweight)."""
     M, N = x.shape
-    block = cfg["BLOCK"] if not launch_module.INTERPRET else launch_module.next_power_of_2(N)
-    slices = launch_module.cdiv(N, block)
-    blocks = launch_module.cdiv(M, cfg["ROWS"])
-    dx = torch.empty_like(x)
-    dw = torch.empty(blocks, N, dtype=torch.float32, device=x.device)
-    slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)
-    programs = launch_module.program_slots(x.device, cfg["PROGRAMS_PER_SM"])
-    assert slices <= launch_module.program_slots(x.device, 1)  # a row's slices all run at once
+    block, slices, dx, dw, slots, grid = deep.blocks_plan(x, cfg)
     x_desc = TensorDescriptor.from_tensor(x, [1, block])
     dy_desc = TensorDescriptor.from_tensor(dy, [1, block])
-    tma_kernel[(min(programs, blocks * slices),)](
+    tma_kernel[grid](
         x_desc, w, dy_desc, rstd, slots, dx, dw, M, N, 1.0 / N, slices, dx.stride(0), ROWS=cfg["ROWS"], BLOCK=block,
         SLICES_POW2=launch_module.next_power_of_2(slices), STAGES=cfg["STAGES"], AHEAD=cfg["AHEAD"],
         SPIN_ASM=not launch_module.INTERPRET,
@@ -224,9 +217,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check(torch.device("cpu"))
-    elif "--inspect" in sys.argv:
-        inspect()
-    else:
-        main()
+    from measure import experiment
+    experiment(check, inspect, main)

@@ -118,9 +118,5 @@ def main():
 
 
 if __name__ == "__main__":
-    if "--check" in sys.argv:
-        check(torch.device("cpu"))
-    elif "--inspect" in sys.argv:
-        inspect()
-    else:
-        main()
+    from measure import experiment
+    experiment(check, inspect, main)

@@ -94,3 +94,16 @@ class Identity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return dy
+
+
+def experiment(check, inspect, main):
+    """An experiment script's command line: --check runs check(cpu) (in the interpreter,
+    with TRITON_INTERPRET=1), --inspect compiles for sm_90 on the CPU machine, else main()
+    (on a GPU: check, then time)."""
+    import sys
+    if "--check" in sys.argv:
+        check(torch.device("cpu"))
+    elif "--inspect" in sys.argv:
+        inspect()
+    else:
+        main()
