@@ -301,10 +301,10 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr
 # BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
 # 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93.
 FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
-# One program each, a block of rows per step: the 4096-row reduction took 6.8 us in steps of
-# 1024 (a load latency each), the check of 4096 targets 2.8 us; both now take 4096 a step.
-# The check at 4096 a step and writing its count into pinned memory (no copy after it):
-# checked forward 0.87-0.89 -> 0.91-0.93 of copy at V = 128256-131072 (session 12).
+# One program each, a block of rows per step: in steps of 1024 (a load latency each) the
+# reduction of 4096 rows took 6.8 us and the check of 4096 targets 2.8 us. The check in one
+# step, with its count written into pinned memory (no copy after it): checked forward
+# 0.87-0.89 -> 0.91-0.93 of copy at V = 128256-131072 (session 12).
 REDUCE_BLOCK, REDUCE_WARPS = 4096, 8
 TARGET_CHECK_BLOCK = 4096
 BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
@@ -631,9 +631,14 @@ class _TargetCheck:
             self.done = torch.cuda.Event()
             self.done.record(torch.cuda.current_stream(target.device))
 
-    def bad_targets(self) -> int:
+    def wait(self):
+        """Until the kernel is done: also before the pinned count may be freed, since torch's
+        host allocator does not know that a kernel writes into it."""
         if self.done is not None:
             self.done.synchronize()
+
+    def bad_targets(self) -> int:
+        self.wait()
         return self.count.item()
 
     def finish(self):
@@ -703,8 +708,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     try:
         loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
     except BaseException:
-        if target_check is not None:  # its kernel writes into pinned memory: done before that is freed
-            target_check.bad_targets()
+        if target_check is not None:
+            target_check.wait()
         raise
     if target_check is not None:
         target_check.finish()
