@@ -586,6 +586,15 @@ FORWARD_PLANS = {
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
               (32768, "long", 16384, 16)]}
+# RMSNorm from 24577 to 32768 with narrow rows (forward_config): the row as one chunk at 32
+# warps, ptxas held to 32 registers so that two programs (2 x 1024 threads) fit an SM, as
+# torch.compile's kernel at 32768 compiles (its N a constant, 32 registers; ours took 35,
+# one program an SM: 0.86). Kernel alone, H200, bf16, against the 16384 / 8 chunks above
+# (scripts/ab_norm_forward.py, two runs a side): 0.94 / 0.86-0.94 / 0.956 at 28672 / 30000 /
+# 32768 against 0.87 / 0.84 / 0.92; with a bias 0.91 / 0.86-0.88 but 0.64 at 32768 (against
+# 0.79 / 0.74 / 0.87: it spills there), float32 0.50-0.53 (against 0.84), and rows of odd
+# length (2-byte loads) 0.09 at 24577 (against 0.30): those keep the chunks.
+RMS_ONE_CHUNK = (24576, 32768, {"plan": "long", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32})
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -621,8 +630,14 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
-def forward_config(N, rms, residual=False):
+def forward_config(N, rms, residual=False, narrow=True):
+    """The forward's plan for rows of N. narrow: 2-byte x, weight and y, no bias, rows and
+    strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
+    register cap."""
     kind = _kind(rms) + ("+residual" if residual else "")
+    low, high, one_chunk = RMS_ONE_CHUNK
+    if kind == "rms" and narrow and low < N <= high:
+        return one_chunk
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
             continue
@@ -664,11 +679,13 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if not (M and N):
         return y, h, mean, rstd
-    cfg = config or forward_config(N, rms, residual is not None)
     args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
             bias if bias is not None else x, y, mean, rstd)
     strides = (x.stride(0), residual.stride(0) if residual is not None else 0,
                h.stride(0) if residual is not None else 0, y.stride(0), eps, weight_offset)
+    narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
+              and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
+    cfg = config or forward_config(N, rms, residual is not None, narrow)
     flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  num_warps=cfg["num_warps"])
     align = row_alignment(N, *strides[:4])
@@ -677,7 +694,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align)
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
-        launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags,
+        cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
+        launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags, **cap,
                BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)

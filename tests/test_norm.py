@@ -374,7 +374,8 @@ def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
 
 def test_long_rows_plans():
     """The launch tables at the widths where they change (measured on the H200): RMSNorm's
-    short rows as one chunk of the long plan, the long forward's chunk, RMSNorm with a
+    short rows as one chunk of the long plan, the long forward's chunk (and RMSNorm's register
+    cap), RMSNorm with a
     residual in registers to 32768, and the longer slices of the backward with the
     residual's gradient past 65536."""
     def plan(cfg):
@@ -387,8 +388,11 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(4096, False)) == ("rows", 4096)
     for rms in (True, False):
         assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
-        assert plan(norm_module.forward_config(24577, rms)) == ("long", 16384)
         assert plan(norm_module.forward_config(32769, rms))[0] == "split"
+        assert plan(norm_module.forward_config(24577, rms, narrow=False)) == ("long", 16384)
+    # RMSNorm's narrow rows past 24576: the row as one chunk at 32 warps, held to 32 registers
+    assert norm_module.forward_config(24577, True) == {"plan": "long", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32}
+    assert plan(norm_module.forward_config(24577, False)) == ("long", 16384)
     assert plan(norm_module.forward_config(32768, True, residual=True)) == ("rows", 32768)
     assert plan(norm_module.forward_config(32769, True, residual=True))[0] == "split"
     assert plan(norm_module.backward_config(65536, True, dh=True)) == ("blocks", 2048)
