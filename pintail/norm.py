@@ -565,9 +565,9 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   8192: 0.97 / 0.97 / 0.96 at 1024 / 4096 / 8192 against the rows plan's 0.95 / 0.95 /
 #   0.93-0.94 (it holds the tile in registers: fewer warps in flight). Compiled as one known
 #   trip (ONE_CHUNK, no loop branches): 0.953 at 8192 (0.927-0.930 as a loop), 0.963 at
-#   16384 (the rows plan 0.927-0.931). One chunk of 32768 at 32 warps, compile's kernel at
-#   32768 (0.94 for compile), gave ours 0.83-0.88: not taken. LayerNorm's long plan did not
-#   beat its rows plan to 8192.
+#   16384 (the rows plan 0.927-0.931). One chunk of 32768 at 32 warps (compile's kernel at
+#   32768) gave ours 0.83-0.88 until held to 32 registers: RMS_ONE_CHUNK below. LayerNorm's
+#   long plan did not beat its rows plan to 8192.
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
 #   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
 #   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every

@@ -19,7 +19,8 @@ sum) with the online softmax's combine (the SASS: ~6 barriers a ticket against ~
 ticket's broadcast and the publish's layout change among them). Predicted: 0.85-0.92 at
 N = 131072 / 262144 if the barriers are what holds the kernel; if not (0.78-0.80 again),
 the limit is the per-ticket chain itself (the ticket atomic, the loads, the poll's round
-trip).
+trip). Got (session 13, H200): 0.65-0.73 at 32768-262144 over six configs (best 4096 / 4
+warps / 6 per SM), against the library's 0.79-0.85: lost.
 
     TRITON_INTERPRET=1 python scripts/exp_softmax_warp_partials.py --check   # the interpreter, CPU
     python scripts/exp_softmax_warp_partials.py --inspect                     # layouts, registers, barriers (sm_90, CPU)
