@@ -119,6 +119,33 @@ def test_wide_rows(kind, N, device):
         check(kind, x, (N,), weight, residual=torch.randn_like(x))
 
 
+@pytest.mark.parametrize("dtype, N, bias, capped", [(torch.bfloat16, 32768, False, True),
+                                                      (torch.float16, 24584, False, True),
+                                                      (torch.bfloat16, 32768, True, False),
+                                                      (torch.float32, 32768, False, False),
+                                                      (torch.bfloat16, 24577, False, False)])
+def test_rms_forward_register_cap_only_for_narrow_rows(dtype, N, bias, capped, monkeypatch, device):
+    """RMSNorm's one-chunk forward past 24576 holds ptxas to 32 registers; it is taken only
+    for 2-byte rows of 8-divisible length without a bias (wider or odd rows, or a bias,
+    spilled under the cap on the H200 and keep the chunked plan), and both give torch's
+    result."""
+    launched = []
+    real_launch = norm_module.launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        launched.append((kernel, kwargs))
+        real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    x = torch.randn(2, N, device=device, dtype=dtype)
+    weight = torch.randn(N, device=device, dtype=dtype)
+    check("rms", x, (N,), weight, torch.randn(N, device=device, dtype=dtype) if bias else None)
+    forward = [kwargs for kernel, kwargs in launched if kernel is norm_module._forward_long_kernel]
+    assert forward, "the long forward kernel did not run"
+    assert all(("maxnreg" in kwargs) == capped for kwargs in forward)
+    assert all(kwargs["BLOCK"] == (32768 if capped else 16384) for kwargs in forward)
+
+
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_several_normalized_dims_and_layouts(kind, device):
     base = torch.randn(6, 5, 4, 9, device=device)
