@@ -41,7 +41,7 @@ def configs(direction, N, rms):
                 out.append({"plan": "long", "BLOCK": block_n, "num_warps": warps})
     if N >= 16384:
         for block in (4096, 8192, 16384):
-            for warps in (8, 16):
+            for warps in (8, 16, 32):  # 32: 32 registers at 8192-16384 (2-byte rows), two programs an SM
                 if direction == "fwd":
                     out.append({"plan": "long", "BLOCK": block, "num_warps": warps})
                 elif block <= 8192:
