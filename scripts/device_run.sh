@@ -10,7 +10,8 @@
 #                                                  # RMSNorm's blocks backward waiting before it publishes;
 #                                                  # the same with x and dy through TMA, rows ahead in shared memory;
 #                                                  # softmax's split forward with warp-local partials (step 5);
-#                                                  # the norms' long forward at 32 warps (step 6, session 13)
+#                                                  # the norms' long forward at 32 warps (step 6, session 13);
+#                                                  # softmax's / log_softmax's two-pass forward at 16-32 warps (steps 7, 8)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -38,7 +39,9 @@ case $mode in
     experiments)  # each step's log in $OUT; the lines that do not start with a space printed
         steps=("exp_compile_kernels.py --out $OUT --cases rms:32768,layer:32768,rotary:4096"
                "tune_rotary.py" "exp_bench_spread.py" "exp_norm_blocks_wait_first.py" "exp_norm_blocks_tma.py"
-               "exp_softmax_warp_partials.py" "exp_norm_long_warps.py")
+               "exp_softmax_warp_partials.py" "exp_norm_long_warps.py"
+               "tune_softmax.py --directions fwd --sizes 24576,32768,49152,65536 --out /tmp"
+               "tune_softmax.py --log --directions fwd --sizes 32768,65536 --out /tmp")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

@@ -35,8 +35,10 @@ def configs(N, direction):
             if 2 <= -(-N // block) <= 64:
                 out.append({"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
     if 16384 <= N <= 65536 and direction == "fwd":
+        # 32 warps at 8192 / 16384 and 16 at 4096: 24-32 registers (sm_90), so 2-4 programs of
+        # 16-32 warps an SM (session 13's RMSNorm gain came from such a step)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
-                ((4096, 8), (8192, 8), (8192, 16), (16384, 16))]
+                ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (8192, 32), (16384, 32), (4096, 16), (4096, 32))]
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
