@@ -49,9 +49,11 @@ def configs(direction, N, rms):
                             for per_sm in (2, 4)]
     if direction == "bwd" and rms and N >= 16384:
         # registers (scripts/inspect_kernel.py): 128 at 2048 / 4 warps (166 with the residual's
-        # gradient and a bias: 3 per SM), ~64-80 at 1024 / 4 warps
+        # gradient and a bias: 3 per SM), ~64-80 at 1024 / 4 warps; 80 at 2048 / 8 (3 an SM: 24
+        # warps against 16) and 64 at 2048 / 16 (2 an SM: 32 warps), session 13
         out += [{"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-                for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1))
+                for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1),
+                                             (2048, 8, 3), (2048, 16, 2))
                 for rows in (16, 32)]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
