@@ -1,0 +1,127 @@
+"""Experiment (prepared in session 13 for the next GPU session): softmax's forward with the
+whole row held in registers as 32-bit words of two 16-bit values, read once from HBM.
+
+Why: softmax at 16385-32768 runs two passes over each row (the second from L2: 0.85 of
+copy at 32768, bar 0.94), because a 32768-element row held as float32 takes 64 registers a
+thread at 32 warps: one program an SM (0.68, session 13). A bf16 row is 16 registers a
+thread as packed words, and bf16 -> float32 is a 16-bit shift, so the kernel can unpack a
+word again wherever it needs its values. What keeps the float32 values alive is the
+compiler: it unpacks once and holds the results across the block reductions (52-58
+registers). Here each pass unpacks the words again through `words ^ (zero & bits of the
+previous reduction)`, with `zero` a runtime 0 the compiler cannot fold, so only the words
+live across a reduction: 35 registers at 32768 / 32 warps (32 under maxnreg, no spill),
+32 at 16384 / 16 warps (sm_90, compiled on the CPU machine). Two programs of 32 warps an
+SM then hold two rows: one read of x, one write of y, no second pass.
+
+Predicted: 0.93-0.96 at 24576-32768 with maxnreg 32 (RMSNorm's forward in the same
+occupancy measured 0.96, session 13, with its second read from L1), above the two-pass
+plan's 0.85-0.90; without the cap (35 registers: one program an SM) ~0.7.
+
+    TRITON_INTERPRET=1 python scripts/exp_softmax_packed.py --check
+    python scripts/exp_softmax_packed.py
+"""
+
+import importlib
+
+import torch
+import triton
+import triton.language as tl
+from measure import copy_bandwidth, experiment, print_fraction
+
+softmax = importlib.import_module("pintail.softmax")
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+NEG_INF_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: two bf16 -inf
+NEG_INF_PAIR_F16: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
+
+
+@triton.jit
+def _unpack(words, BF16: tl.constexpr):
+    """Two 16-bit floats a 32-bit word (little-endian: the row's element 2i in the low half)
+    -> two float32 tensors."""
+    if BF16:  # bf16 is float32's upper half
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+    else:
+        low = (words & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
+
+
+@triton.jit
+def _pack(low, high, BF16: tl.constexpr):
+    """Two float32 tensors -> 32-bit words of two 16-bit floats (rounded to nearest even)."""
+    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    low16 = low.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    high16 = high.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return low16 | high16
+
+
+@triton.jit
+def softmax_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr, BF16: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words.
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.arange(0, BLOCK // 2)
+    mask = words < N // 2
+    x_words = x_ptr.to(tl.pointer_type(tl.int32)) + row * (x_row_stride // 2)
+    packed = tl.load(x_words + words, mask=mask, other=NEG_INF_PAIR if BF16 else NEG_INF_PAIR_F16)
+    low, high = _unpack(packed, BF16)
+    row_max = tl.max(tl.maximum(low, high), axis=0)
+    # unpacked again after each reduction, tied to its result: only the words stay live
+    low, high = _unpack(packed ^ (zero & row_max.to(tl.int32, bitcast=True)), BF16)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)  # a row of -inf: NaN, as torch
+    total = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
+    log2_total = tl.log2(total)
+    low, high = _unpack(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
+    if LOG:
+        y = _pack(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
+    else:
+        y = _pack(tl.exp2((low - row_max) * LOG2E - log2_total), tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+    tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + words, y, mask=mask)
+
+
+def launch_packed(x, y, log, warps, max_registers=None):
+    M, N = x.shape
+    cap = {"maxnreg": max_registers} if max_registers else {}
+    softmax_packed_kernel[(M,)](x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BF16=x.dtype == torch.bfloat16,
+                                BLOCK=triton.next_power_of_2(N), num_warps=warps, **cap)
+
+
+def check(device):
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for N in (64, 1000, 4096):
+            x = torch.randn(5, N, device=device, dtype=dtype) * 4
+            x[1, 3] = float("-inf")
+            x[2, :] = float("-inf")  # a row of -inf: NaN, as torch
+            x[3, 7] = 1e4 if dtype == torch.bfloat16 else 6e4
+            for log in (False, True):
+                y = torch.empty_like(x)
+                launch_packed(x, y, log, warps=4)
+                want = (torch.log_softmax if log else torch.softmax)(x.float(), -1).to(dtype)
+                assert torch.allclose(y.float(), want.float(), atol=2e-2, rtol=2e-2, equal_nan=True), (dtype, N, log)
+                assert torch.isnan(y[2]).all()
+    print(f"packed softmax matches torch ({device.type})", flush=True)
+
+
+def main():
+    check(torch.device("cuda"))
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    for N in (8192, 16384, 20000, 24576, 32768):
+        M = 2**27 // N
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        nbytes = 2 * x.numel() * 2
+        print_fraction(f"N={N} library {softmax.forward_config(N)}", lambda: softmax.launch_forward(x, y, False),
+                       nbytes, copy_bw)
+        for warps, cap in ((32, 32), (32, None), (16, 32), (16, None)):
+            if triton.next_power_of_2(N) // (32 * warps) // 2 < 4:  # fewer than 4 words a thread
+                continue
+            print_fraction(f"N={N} packed, {warps} warps, maxnreg {cap}",
+                           lambda: launch_packed(x, y, False, warps, cap), nbytes, copy_bw)
+
+
+if __name__ == "__main__":
+    experiment(check, lambda: None, main)
