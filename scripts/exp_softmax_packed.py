@@ -17,8 +17,15 @@ Predicted: 0.93-0.96 at 24576-32768 with maxnreg 32 (RMSNorm's forward in the sa
 occupancy measured 0.96, session 13, with its second read from L1), above the two-pass
 plan's 0.85-0.90; without the cap (35 registers: one program an SM) ~0.7.
 
+Got (session 13, H200, fraction of copy): at 32768 the library's two-pass 0.84-0.85,
+packed 0.87-0.89 at 32 warps / 32 registers, 0.90 at 16 warps uncapped (58 registers, two
+programs an SM); log_softmax 0.92 (both) against 0.86. At 28672 / 30000 packed 16 warps
+0.86 / 0.86 against 0.82 / 0.79. Below that the masked quarter costs more than it saves:
+0.75 against 0.91 at 24576, 0.63 against 0.81 at 20000; at 16384 0.95 against the rows
+plan's 0.95, at 8192 0.89 against 0.96. Taken for 28672-32768 at 16 warps.
+
     TRITON_INTERPRET=1 python scripts/exp_softmax_packed.py --check
-    python scripts/exp_softmax_packed.py
+    python scripts/exp_softmax_packed.py [--sizes 28672,32768] [--log]
 """
 
 import importlib
@@ -106,21 +113,25 @@ def check(device):
 
 
 def main():
+    import sys
+    sizes = [int(v) for v in sys.argv[sys.argv.index("--sizes") + 1].split(",")] if "--sizes" in sys.argv else \
+        (8192, 16384, 20000, 24576, 32768)
+    log = "--log" in sys.argv
     check(torch.device("cuda"))
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for N in (8192, 16384, 20000, 24576, 32768):
+    for N in sizes:
         M = 2**27 // N
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
         nbytes = 2 * x.numel() * 2
-        print_fraction(f"N={N} library {softmax.forward_config(N)}", lambda: softmax.launch_forward(x, y, False),
-                       nbytes, copy_bw)
+        print_fraction(f"N={N} log={log} library {softmax.forward_config(N, log)}",
+                       lambda: softmax.launch_forward(x, y, log), nbytes, copy_bw)
         for warps, cap in ((32, 32), (32, None), (16, 32), (16, None)):
             if triton.next_power_of_2(N) // (32 * warps) // 2 < 4:  # fewer than 4 words a thread
                 continue
-            print_fraction(f"N={N} packed, {warps} warps, maxnreg {cap}",
-                           lambda: launch_packed(x, y, False, warps, cap), nbytes, copy_bw)
+            print_fraction(f"N={N} log={log} packed, {warps} warps, maxnreg {cap}",
+                           lambda: launch_packed(x, y, log, warps, cap), nbytes, copy_bw)
 
 
 if __name__ == "__main__":
