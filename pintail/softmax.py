@@ -7,10 +7,9 @@ writes dx. Every kernel here moves each of those once through HBM.
 Plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
-- packed (forward, bf16 / fp16 rows of even length past the rows plan, up to 32768): a
-  program of 32 warps a row holds the row in registers as 32-bit words of two values (16
-  a thread) and unpacks them for each pass over the row; one read, one write, two exps per
-  element.
+- packed (forward, bf16 / fp16 rows of even length from 28672 to 32768): a program a row
+  holds the row in registers as 32-bit words of two values and unpacks them for each pass
+  over the row; one read, one write, two exps per element.
 - two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
@@ -159,8 +158,8 @@ def _pack_pairs(low, high, BF16: tl.constexpr):
 def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr,
                            BF16: tl.constexpr, BLOCK: tl.constexpr):
     # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words:
-    # 16 registers a thread at 32768 / 32 warps. Unpacked float32 values would take 32 more
-    # and one program an SM; so each pass unpacks the words again, through
+    # 32 registers a thread at 32768 / 16 warps. Unpacked float32 values would take 64 more;
+    # so each pass unpacks the words again, through
     # `words ^ (zero & bits of the last reduction)`: `zero` is a runtime 0 that the compiler
     # cannot fold, which keeps it from holding one pass's float32 values for the next.
     row = tl.program_id(0).to(tl.int64)
@@ -307,11 +306,13 @@ FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_S
 # bytes a row: float32 rows past the rows plan (16385+ elements, 64 KB+) take the split plan
 # (not measured in float32).
 FORWARD_TWO_PASS_ROW_BYTES = 65536
-# 16-bit rows of even length past the rows plan, to 32768: the row in registers as packed
-# words (_forward_packed_kernel), 32 warps held to 32 registers: two programs an SM (sm_90:
-# 32 registers for softmax, 35 for log_softmax without the cap, no spill with it).
-# NOT YET MEASURED on the H200 (scripts/exp_softmax_packed.py); the range is a guess.
-FORWARD_PACKED = (16384, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32})
+# 16-bit rows of even length from 28672 to 32768: the row in registers as packed words
+# (_forward_packed_kernel), 16 warps. Kernel alone, H200, bf16 (scripts/exp_softmax_packed.py),
+# against the two-pass plan: softmax 0.86 / 0.86 / 0.90 at 28672 / 30000 / 32768 against
+# 0.82 / 0.79 / 0.84-0.85; log_softmax 0.92 at 32768 against 0.86. At 32 warps held to 32
+# registers (two programs an SM) 0.83 / 0.83 / 0.87-0.89 (log_softmax 0.92). Shorter rows
+# lose to the two-pass plan: 0.75 against 0.91 at 24576, 0.63 against 0.81 at 20000.
+FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16})
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
