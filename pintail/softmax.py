@@ -158,8 +158,8 @@ def _pack_pairs(low, high, BF16: tl.constexpr):
 def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr,
                            BF16: tl.constexpr, BLOCK: tl.constexpr):
     # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words:
-    # 32 registers a thread at 32768 / 16 warps. Unpacked float32 values would take 64 more;
-    # so each pass unpacks the words again, through
+    # 32 registers a thread at 32768 / 16 warps (58 in all: two programs an SM). Unpacked
+    # float32 values would take 64 more; so each pass unpacks the words again, through
     # `words ^ (zero & bits of the last reduction)`: `zero` is a runtime 0 that the compiler
     # cannot fold, which keeps it from holding one pass's float32 values for the next.
     row = tl.program_id(0).to(tl.int64)
