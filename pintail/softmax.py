@@ -7,6 +7,9 @@ writes dx. Every kernel here moves each of those once through HBM.
 Plans, picked by row length N:
 - rows: N fits on chip. A program loads a tile of whole rows into registers, reduces,
   and writes; one read, one write, one exp per element.
+- packed (forward, bf16 / fp16 rows of even length from 28672 to 32768): a program a row
+  holds the row in registers as 32-bit words of two values and unpacks them for each pass
+  over the row; one read, one write, two exps per element.
 - two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
@@ -124,6 +127,59 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
         else:
             y = tl.exp2((x - row_max) * LOG2E - log2_total)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+NEG_INF_BF16_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: a word of two bf16 -inf
+NEG_INF_FP16_PAIR: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
+
+
+@triton.jit
+def _unpack_pairs(words, BF16: tl.constexpr):
+    # 32-bit words of two 16-bit floats (little-endian: a row's element 2i in the low half)
+    # -> two float32 tensors. bf16 is float32's upper half, so bf16 needs only a shift.
+    if BF16:
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+    else:
+        low = (words & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
+
+
+@triton.jit
+def _pack_pairs(low, high, BF16: tl.constexpr):
+    # two float32 tensors -> words of two 16-bit floats (rounded to nearest even, as torch)
+    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    low16 = low.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    high16 = high.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return low16 | high16
+
+
+@triton.jit
+def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr,
+                           BF16: tl.constexpr, BLOCK: tl.constexpr):
+    # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words:
+    # 32 registers a thread at 32768 / 16 warps (58 in all: two programs an SM). Unpacked
+    # float32 values would take 64 more; so each pass unpacks the words again, through
+    # `words ^ (zero & bits of the last reduction)`: `zero` is a runtime 0 that the compiler
+    # cannot fold, which keeps it from holding one pass's float32 values for the next.
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.arange(0, BLOCK // 2)
+    mask = words < N // 2
+    packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (x_row_stride // 2) + words, mask=mask,
+                     other=NEG_INF_BF16_PAIR if BF16 else NEG_INF_FP16_PAIR)
+    low, high = _unpack_pairs(packed, BF16)
+    row_max = tl.max(tl.maximum(low, high), axis=0)
+    shift = tl.where(row_max == -float("inf"), 0.0, row_max)  # a row of -inf: NaN, as torch
+    low, high = _unpack_pairs(packed ^ (zero & row_max.to(tl.int32, bitcast=True)), BF16)
+    total = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
+    log2_total = tl.log2(total)
+    low, high = _unpack_pairs(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
+    if LOG:
+        y = _pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
+    else:
+        y = _pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
+                        tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+    tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + words, y, mask=mask)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -250,6 +306,13 @@ FORWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_S
 # bytes a row: float32 rows past the rows plan (16385+ elements, 64 KB+) take the split plan
 # (not measured in float32).
 FORWARD_TWO_PASS_ROW_BYTES = 65536
+# 16-bit rows of even length from 28672 to 32768: the row in registers as packed words
+# (_forward_packed_kernel), 16 warps. Kernel alone, H200, bf16 (scripts/exp_softmax_packed.py),
+# against the two-pass plan: softmax 0.86 / 0.86 / 0.90 at 28672 / 30000 / 32768 against
+# 0.82 / 0.79 / 0.84-0.85; log_softmax 0.92 at 32768 against 0.86. At 32 warps held to 32
+# registers (two programs an SM) 0.83 / 0.83 / 0.87-0.89 (log_softmax 0.92). Shorter rows
+# lose to the two-pass plan: 0.75 against 0.91 at 24576, 0.63 against 0.81 at 20000.
+FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16})
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
@@ -272,7 +335,12 @@ def _config(N, rows_table, split):
     return split
 
 
-def forward_config(N, log=False, item_size=2):
+def forward_config(N, log=False, item_size=2, packable=False):
+    """The forward's plan for rows of N elements of item_size bytes; packable: 16-bit rows of
+    even length whose rows start 4-byte aligned (the packed plan's words)."""
+    low, high, packed = FORWARD_PACKED
+    if packable and low < N <= high:
+        return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
 
@@ -288,12 +356,20 @@ def backward_config(N, log):
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    cfg = config or forward_config(N, log, x.element_size())
+    packable = (x.dtype == y.dtype and x.element_size() == 2 and
+                not any(v % 2 for v in (N, x.stride(0), y.stride(0))) and
+                x.data_ptr() % 4 == 0 and y.data_ptr() % 4 == 0)
+    cfg = config or forward_config(N, log, x.element_size(), packable)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "packed":
+        bf16 = x.dtype == torch.bfloat16
+        cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
+        launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BF16=bf16,
+               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), num_warps=cfg["num_warps"], **cap)
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])

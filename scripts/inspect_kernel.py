@@ -85,6 +85,9 @@ def main():
         own_row = {k: v for k, v in bwd.items() if k != "LAG"}
         for log in (False, True):
             inspect(sm._backward_own_row_kernel, own_row, {"LOG": log, "BLOCK": block, "SLICES_POW2": 32}, warps)
+    for log in (False, True):  # the packed forward: the row's words held, no spill
+        inspect(sm._forward_packed_kernel, signature(sm._forward_packed_kernel),
+                {"LOG": log, "BF16": True, "BLOCK": 32768}, sm.FORWARD_PACKED[2]["num_warps"])
     for log in (False, True):  # the two-pass forward: its loads carry the eviction hints (LDG.E.EL / .EF)
         inspect(sm._forward_two_pass_kernel, signature(sm._forward_two_pass_kernel),
                 {"LOG": log, "BLOCK": sm.FORWARD_TWO_PASS[log]["BLOCK"]}, sm.FORWARD_TWO_PASS[log]["num_warps"])

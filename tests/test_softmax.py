@@ -97,13 +97,60 @@ def test_two_pass_forward_with_small_chunks(M, N, device):
 
 
 def test_long_rows_forward_plans():
-    """Past the rows plan the forward reads each row twice while a row is at most 64 KB
-    (bf16 / fp16 up to 32768), then splits rows; float32 rows past the rows plan split."""
+    """Past the rows plan the forward holds 16-bit rows of even length from 28672 to 32768 in
+    registers as packed words, reads other rows twice while a row is at most 64 KB (bf16 / fp16 up
+    to 32768), then splits rows; float32 rows past the rows plan split."""
     for log in (False, True):
+        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 2, packable=True)["plan"] == "two_pass"
+        assert softmax_module.forward_config(28672, log, 2, packable=True)["plan"] == "packed"
+        assert softmax_module.forward_config(32768, log, 2, packable=True)["plan"] == "packed"
         assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 2)["plan"] == "two_pass"
         assert softmax_module.forward_config(32768, log, 2)["plan"] == "two_pass"
-        assert softmax_module.forward_config(32769, log, 2)["plan"] == "split"
+        assert softmax_module.forward_config(32769, log, 2, packable=True)["plan"] == "split"
         assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 4)["plan"] == "split"
+
+
+def forward_plans_run(monkeypatch, fn):
+    """The forward kernels fn() launched, by name."""
+    launched = []
+    real_launch = softmax_module.launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        launched.append(kernel.__name__)
+        real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(softmax_module, "launch", recording_launch)
+    fn()
+    monkeypatch.setattr(softmax_module, "launch", real_launch)
+    return [name for name in launched if name.startswith("_forward")]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("N", [28672, 30002, 32768])
+def test_packed_forward(op, dtype, N, monkeypatch, device):
+    """16-bit rows of even length from 28672 to 32768: held as packed words (two values a
+    32-bit word, the last word of a masked row two -inf), against torch, with -inf entries and
+    an extreme value; a row of -inf gives NaN, as torch's."""
+    x = torch.randn(3, N, device=device, dtype=dtype) * 3
+    x[0, 1::7] = float("-inf")
+    x[1, 5] = 1e4 if dtype == torch.bfloat16 else 6e4
+    assert forward_plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_packed_kernel"]
+    x[2] = float("-inf")
+    ours_fn, torch_fn = OPS[op]
+    assert torch.isnan(ours_fn(x, -1)[2]).all() and torch.isnan(torch_fn(x, -1)[2]).all()
+
+
+def test_packed_forward_only_where_words_fit(monkeypatch, device):
+    """Rows of odd length, rows that start 2 bytes past a 4-byte boundary, float32 rows and
+    an output of another dtype keep the other plans, and give torch's result."""
+    odd = torch.randn(2, 30001, device=device, dtype=torch.bfloat16)
+    shifted = torch.randn(2, 30003, device=device, dtype=torch.bfloat16)[:, 1:]  # even length, odd offset
+    wide = torch.randn(2, 30002, device=device)
+    narrow = torch.randn(2, 30002, device=device, dtype=torch.bfloat16)
+    for x, dtype in ((odd, None), (shifted, None), (wide, None), (narrow, torch.float32)):
+        plans = forward_plans_run(monkeypatch, lambda: check_op("softmax", x, dtype=dtype))
+        assert plans and "_forward_packed_kernel" not in plans
 
 
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (3, 65), (2, 1000), (9, 130), (1, 4097)])
