@@ -12,7 +12,11 @@ rule. LayerNorm's long plan runs 16384 chunks at 16 warps (60 registers, 2 progr
 warps an SM) for 0.81-0.83 at 32768, bar 0.90; its one-chunk form spilled under the cap.
 float32 takes 32-35 registers at 8192 / 32 warps, 46-48 at 16384 / 32.
 
-Predicted: LayerNorm +0.04-0.08 at 24577-32768 with 16384 / 32 warps; RMSNorm at 16384 /
+Also LayerNorm at 32768 in softmax's packed form (the row read once and held as words of two
+bf16, `layer_packed_kernel` below: 64 registers at 16 warps with the output in 4 parts).
+
+Predicted: LayerNorm +0.04-0.08 at 24577-32768 with 16384 / 32 warps, the packed form
+about the same (one HBM read instead of an L1 / L2 re-read; more barriers); RMSNorm at 16384 /
 32 warps within 0.01 of the capped one chunk (0.96 at 32768), and with a bias above its
 0.87; float32 no better than the library. If so the capped plan and its narrow-row rule go.
 
@@ -23,9 +27,49 @@ Predicted: LayerNorm +0.04-0.08 at 24577-32768 with 16384 / 32 warps; RMSNorm at
 import importlib
 
 import torch
+import triton
+import triton.language as tl
 from measure import copy_bandwidth, experiment, print_fraction
 
 norm = importlib.import_module("pintail.norm")
+softmax = importlib.import_module("pintail.softmax")
+
+
+@triton.jit
+def layer_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, eps, zero, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+    # LayerNorm's forward in softmax's packed form (pintail/softmax.py, _forward_packed_kernel):
+    # bf16 rows of N == BLOCK held as words of two values, the exact two-pass statistics from
+    # them, then the output in PARTS parts whose weight / bias loads are tied to the previous
+    # part's stores (through the runtime zero), so that the words and one part's w and b are
+    # all that live at once: 64 registers at 32768 / 16 warps with 4 parts (two programs an
+    # SM), 70 with one part (sm_90).
+    row = tl.program_id(0).to(tl.int64)
+    WORDS: tl.constexpr = BLOCK // 2
+    PART: tl.constexpr = WORDS // PARTS
+    packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (N // 2) + tl.arange(0, WORDS))
+    low, high = softmax._unpack_pairs(packed, True)
+    mean = tl.sum(low + high, axis=0) / N
+    low, high = softmax._unpack_pairs(packed ^ (zero & mean.to(tl.int32, bitcast=True)), True)
+    rstd = 1.0 / tl.sqrt(tl.sum((low - mean) * (low - mean) + (high - mean) * (high - mean), axis=0) / N + eps)
+    tie = zero & rstd.to(tl.int32, bitcast=True)
+    parts = tl.reshape(packed, [PARTS, PART])
+    offs = tl.arange(0, PART)
+    for p in tl.static_range(PARTS):
+        part = tl.sum(tl.where(tl.arange(0, PARTS)[:, None] == p, parts, 0), axis=0)  # row p of the tile
+        low, high = softmax._unpack_pairs(part ^ tie, True)
+        base = p * PART + tie * 16  # tie * 16: still 64-byte aligned, so the loads stay 16 bytes wide
+        w_low, w_high = softmax._unpack_pairs(tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
+        b_low, b_high = softmax._unpack_pairs(tl.load(b_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
+        y = softmax._pack_pairs((low - mean) * rstd * w_low + b_low, (high - mean) * rstd * w_high + b_high, True)
+        tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (N // 2) + p * PART + offs, y)
+        tie = zero & tl.max(y, axis=0)
+
+
+def layer_packed(x, w, b, warps, parts):
+    y = torch.empty_like(x)
+    layer_packed_kernel[(x.shape[0],)](x, w, b, y, x.shape[1], 1e-6, 0, BLOCK=x.shape[1], PARTS=parts,
+                                       num_warps=warps)
+    return y
 
 
 def configs(small=False):
@@ -70,6 +114,10 @@ def check(device):
             for name, cfg in configs(small):
                 error = (run(rms, x, w, b, cfg).float() - want).abs().max().item()
                 assert error < 0.1, (label, N, name, error)
+            if label == "layer bfloat16" and N % 2048 == 0:
+                for parts in (1, 4):
+                    error = (layer_packed(x, w, b, 16, parts).float() - want).abs().max().item()
+                    assert error < 0.1, ("layer packed", N, parts, error)
     print(f"every plan matches torch ({device.type})", flush=True)
 
 
@@ -83,6 +131,10 @@ def main():
             for name, cfg in configs():
                 print_fraction(f"N={N} {label}: {name}", lambda: run(rms, x, w, b, cfg),
                                2 * x.numel() * x.element_size(), copy_bw)
+            if label == "layer bfloat16" and N == 32768:
+                for warps, parts in ((16, 4), (16, 1), (32, 4)):
+                    print_fraction(f"N={N} {label}: packed, {warps} warps, {parts} parts",
+                                   lambda: layer_packed(x, w, b, warps, parts), 2 * x.numel() * 2, copy_bw)
 
 
 if __name__ == "__main__":
