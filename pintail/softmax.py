@@ -366,10 +366,9 @@ def launch_forward(x, y, log, config=None):
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "packed":
-        bf16 = x.dtype == torch.bfloat16
-        cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
-        launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BF16=bf16,
-               BLOCK=min(cfg["BLOCK"], next_power_of_2(N)), num_warps=cfg["num_warps"], **cap)
+        launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log,
+               BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
+               num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])

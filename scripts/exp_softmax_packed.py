@@ -32,67 +32,19 @@ import importlib
 
 import torch
 import triton
-import triton.language as tl
 from measure import copy_bandwidth, experiment, print_fraction
 
 softmax = importlib.import_module("pintail.softmax")
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-NEG_INF_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: two bf16 -inf
-NEG_INF_PAIR_F16: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
-
-
-@triton.jit
-def _unpack(words, BF16: tl.constexpr):
-    """Two 16-bit floats a 32-bit word (little-endian: the row's element 2i in the low half)
-    -> two float32 tensors."""
-    if BF16:  # bf16 is float32's upper half
-        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
-    else:
-        low = (words & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return low, high
-
-
-@triton.jit
-def _pack(low, high, BF16: tl.constexpr):
-    """Two float32 tensors -> 32-bit words of two 16-bit floats (rounded to nearest even)."""
-    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
-    low16 = low.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    high16 = high.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return low16 | high16
-
-
-@triton.jit
-def softmax_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr, BF16: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words.
-    row = tl.program_id(0).to(tl.int64)
-    words = tl.arange(0, BLOCK // 2)
-    mask = words < N // 2
-    x_words = x_ptr.to(tl.pointer_type(tl.int32)) + row * (x_row_stride // 2)
-    packed = tl.load(x_words + words, mask=mask, other=NEG_INF_PAIR if BF16 else NEG_INF_PAIR_F16)
-    low, high = _unpack(packed, BF16)
-    row_max = tl.max(tl.maximum(low, high), axis=0)
-    # unpacked again after each reduction, tied to its result: only the words stay live
-    low, high = _unpack(packed ^ (zero & row_max.to(tl.int32, bitcast=True)), BF16)
-    shift = tl.where(row_max == -float("inf"), 0.0, row_max)  # a row of -inf: NaN, as torch
-    total = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
-    log2_total = tl.log2(total)
-    low, high = _unpack(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
-    if LOG:
-        y = _pack(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
-    else:
-        y = _pack(tl.exp2((low - row_max) * LOG2E - log2_total), tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
-    tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + words, y, mask=mask)
-
 
 def launch_packed(x, y, log, warps, max_registers=None):
+    """The library's packed kernel (pintail/softmax.py, _forward_packed_kernel; written in this
+    script first, moved into the library once measured) at the given warps and register cap."""
     M, N = x.shape
     cap = {"maxnreg": max_registers} if max_registers else {}
-    softmax_packed_kernel[(M,)](x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BF16=x.dtype == torch.bfloat16,
-                                BLOCK=triton.next_power_of_2(N), num_warps=warps, **cap)
+    softmax._forward_packed_kernel[(M,)](x, y, N, x.stride(0), y.stride(0), 0, LOG=log,
+                                         BF16=x.dtype == torch.bfloat16, BLOCK=triton.next_power_of_2(N),
+                                         num_warps=warps, **cap)
 
 
 def check(device):
