@@ -49,11 +49,12 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                          x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                          RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                         EVEN: tl.constexpr, ALIGN: tl.constexpr, STATS: tl.constexpr):
     # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
     # from deviations about the mean (two passes over registers, not over HBM). A program
     # per tile: a persistent grid that loaded the weight once measured 0.05 lower. EVEN
-    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row). STATS: store mean /
+    # rstd for the backward (4-byte stores a row cost LayerNorm 0.025 of copy at 1024).
     if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
@@ -85,9 +86,11 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             mean = tl.where(flagged, exact_mean, mean)
             var = tl.where(flagged, exact_var, var)
         centred = x - mean[:, None]
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        if STATS:
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    if STATS:
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
@@ -101,7 +104,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, EVEN: tl.constexpr,
-                    ALIGN: tl.constexpr):
+                    ALIGN: tl.constexpr, STATS: tl.constexpr):
     # One row, two passes: the second re-reads the row from L2, which keeps it when the rows
     # in flight fit and pass 1 marks its loads evict_last (pass 2's evict_first). With a
     # residual, pass 2 reads the h just stored: no hints there (not measured). ONE_CHUNK
@@ -150,9 +153,10 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             drift += chunk_drift
         mean, var = _corrected(mean, deviations, drift, inv_n)
     rstd = 1.0 / tl.sqrt(var + eps)
-    if not RMS:
-        tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    if STATS:  # as in the rows kernel
+        if not RMS:
+            tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
     # pass 2: the output
     for start in range(0, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -565,7 +569,8 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   8192: 0.97 / 0.97 / 0.96 at 1024 / 4096 / 8192 against the rows plan's 0.95 / 0.95 /
 #   0.93-0.94 (it holds the tile in registers: fewer warps in flight). Compiled as one known
 #   trip (ONE_CHUNK, no loop branches): 0.953 at 8192 (0.927-0.930 as a loop), 0.963 at
-#   16384 (the rows plan 0.927-0.931). One chunk of 32768 at 32 warps (compile's kernel at
+#   16384 (the rows plan 0.927-0.931). At 8192 16 warps, as compile's kernel: 0.973-0.977
+#   against 8 warps' 0.952 (two runs, session 14; the earlier sweeps had 8 ahead). One chunk of 32768 at 32 warps (compile's kernel at
 #   32768) gave ours 0.83-0.88 until held to 32 registers: RMS_ONE_CHUNK below. LayerNorm's
 #   long plan did not beat its rows plan to 8192.
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
@@ -581,7 +586,7 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 # - RMSNorm with a residual keeps rows in registers to 32768: its long plan reads h back
 #   (0.90 / 0.92 of copy at 24576 / 32768, the rows plan 0.96).
 FORWARD_PLANS = {
-    "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 8),
+    "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 16),
             (16384, "long", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 8)],
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
@@ -666,42 +671,46 @@ def backward_config(N, rms, dh=False):
 
 def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
              bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool, out_dtype: torch.dtype,
-             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             config: dict | None = None, stats: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual); mean
-    is empty for RMS."""
+    is empty for RMS. stats=False (no backward will run): mean and rstd come back empty, and
+    the rows and long plans do not store them."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
-        return reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+        y, h, mean, rstd = reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+        return (y, h, mean, rstd) if stats else (y, h, mean.new_empty(0), rstd.new_empty(0))
     M, N = x.shape
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     h = torch.empty(M if residual is not None else 0, N, device=x.device,
                     dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
-    mean = torch.empty(0 if rms else M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
+              and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
+    cfg = config or forward_config(N, rms, residual is not None, narrow)
+    stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
+    mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
     if not (M and N):
         return y, h, mean, rstd
     args = (x, residual if residual is not None else x, h, weight if weight is not None else x,
             bias if bias is not None else x, y, mean, rstd)
     strides = (x.stride(0), residual.stride(0) if residual is not None else 0,
                h.stride(0) if residual is not None else 0, y.stride(0), eps, weight_offset)
-    narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
-              and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
-    cfg = config or forward_config(N, rms, residual is not None, narrow)
     flags = dict(RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  num_warps=cfg["num_warps"])
     align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align)
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align, STATS=stats)
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags, **cap,
-               BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align)
+               BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align, STATS=stats)
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
                BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
-    return y, h, mean, rstd
+    return (y, h, mean, rstd) if stats else (y, h, mean.new_empty(0), rstd.new_empty(0))
 
 
 def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
@@ -835,20 +844,20 @@ class _Norm(torch.autograd.Function):
 
 def _forward_for_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                     bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool,
-                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
+                    out_dtype: torch.dtype, stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, stats=stats)
 
 
 _forward_op = torch.library.custom_op("pintail::norm_forward", _forward_for_op, mutates_args=())
 
 
 @_forward_op.register_fake
-def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
+def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, stats):
     M, N = x.shape
     h = x.new_empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None \
         else x.new_empty(0, N, dtype=out_dtype)
-    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms else M, dtype=torch.float32),
-            x.new_empty(M, dtype=torch.float32))
+    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms or not stats else M, dtype=torch.float32),
+            x.new_empty(M if stats else 0, dtype=torch.float32))
 
 
 def _backward_for_op(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
@@ -879,6 +888,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_of_op(ctx, dy, dh, _mean, _rstd):
     normalised, weight, mean, rstd = ctx.saved_tensors
+    if rstd.shape[0] != normalised.shape[0]:  # _normalise asks for them whenever a gradient is wanted
+        raise RuntimeError("pintail::norm_forward ran with stats=False, which keeps no mean / rstd for a backward")
     has_bias, weight_offset, rms = ctx.meta
     x_dtype, residual_dtype, bias_dtype = ctx.dtypes
     dy, dh = _incoming(dy, dh, normalised, residual_dtype is not None)
@@ -928,10 +939,14 @@ def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weigh
     b = _vector(bias, N)
     # y in the dtype of what is normalised: x, or x + residual as torch promotes it
     out_dtype = out_dtype or (torch.promote_types(input.dtype, residual.dtype) if residual is not None else input.dtype)
+    # Without a backward to come, mean and rstd are not stored (as torch.compile's kernels)
+    stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, r, w, b))
     if torch.compiler.is_compiling():
-        y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
-    else:
+        y, h, _, _ = _forward_op(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype, stats)
+    elif stats:
         y, h = _Norm.apply(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype)
+    else:
+        y, h, _, _ = _forward(x, r, w, b, float(eps), float(weight_offset), rms, out_dtype, stats=False)
     if residual is None:
         return y if rows else y.reshape(input.shape)
     return (y, h) if rows else (y.reshape(input.shape), h.reshape(input.shape))

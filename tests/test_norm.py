@@ -147,6 +147,37 @@ def test_rms_forward_register_cap_only_for_narrow_rows(dtype, N, bias, capped, m
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("N", [7, 1000, 4097])
+@pytest.mark.parametrize("grad", ["no_grad", "no leaf requires grad", "training"])
+def test_statistics_stored_only_for_a_backward(kind, N, grad, plan, monkeypatch, device):
+    """A forward that no backward will follow (grad mode off, or no input, weight or bias
+    requiring grad) skips the mean / rstd stores (the rows and long plans; the split plan
+    stores them always) and gives torch's result."""
+    launched = []
+    real_launch = norm_module.launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        launched.append(kwargs)
+        real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    x = torch.randn(5, N, device=device, dtype=torch.bfloat16) + 0.5
+    weight = torch.randn(N, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+    if grad == "training":
+        weight.requires_grad_()
+    with torch.set_grad_enabled(grad != "no_grad"):
+        ours = pintail.rms_norm(x, (N,), weight, bias=bias) if kind == "rms" else \
+            pintail.layer_norm(x, (N,), weight, bias)
+    y64, _ = torch_norm(kind, x.double(), (N,), weight.detach().double(), bias.double())
+    y_same, _ = torch_norm(kind, x, (N,), weight.detach(), bias)
+    assert_matches(ours, y64, y_same, unit=1.0, factor=2)
+    assert ours.requires_grad == (grad == "training")
+    stored = [kwargs["STATS"] for kwargs in launched if "STATS" in kwargs]
+    assert stored == ([] if plan == "split" else [grad == "training"])
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_several_normalized_dims_and_layouts(kind, device):
     base = torch.randn(6, 5, 4, 9, device=device)
     weight = torch.randn(4, 9, device=device)
@@ -359,8 +390,13 @@ def test_compile_fullgraph_and_opcheck(device):
     for g, ge in zip(grads, grads_eager):
         assert torch.allclose(g, ge, rtol=1e-4, atol=1e-4)
     args = (x.detach().requires_grad_(), r.detach().requires_grad_(), w.detach().requires_grad_(),
-            b.detach().requires_grad_(), 1e-5, 0.5, True, torch.float32)
+            b.detach().requires_grad_(), 1e-5, 0.5, True, torch.float32, True)
     torch.library.opcheck(torch.ops.pintail.norm_forward.default, args)
+    # stats=False (no backward to come): inputs that want no gradient
+    torch.library.opcheck(torch.ops.pintail.norm_forward.default,
+                          (*[t.detach() for t in args[:4]], *args[4:-1], False))
+    with pytest.raises(RuntimeError, match="stats=False"):
+        torch.ops.pintail.norm_forward.default(*args[:-1], False)[0].sum().backward()
 
 
 def test_past_2_to_the_31_elements(device):
