@@ -200,3 +200,30 @@ def no_second_derivative(grads: tuple, *sources) -> tuple:
     if not sources:
         return grads
     return tuple(_NoSecondDerivative.apply(g, *sources) if isinstance(g, torch.Tensor) else g for g in grads)
+
+
+# 16-bit rows held as 32-bit words of two values (the packed plans: softmax, LayerNorm):
+# half the registers of the row as float32, unpacked again where each pass needs it.
+NEG_INF_BF16_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: a word of two bf16 -inf
+NEG_INF_FP16_PAIR: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
+
+
+@triton.jit
+def unpack_pairs(words, BF16: tl.constexpr):
+    # 32-bit words of two 16-bit floats (little-endian: a row's element 2i in the low half)
+    # -> two float32 tensors. bf16 is float32's upper half, so bf16 needs only a shift.
+    if BF16:
+        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
+    else:
+        low = (words & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
+
+
+@triton.jit
+def pack_pairs(low, high, BF16: tl.constexpr):
+    # two float32 tensors -> words of two 16-bit floats (rounded to nearest even, as torch)
+    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    low16 = low.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    high16 = high.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return low16 | high16

@@ -9,7 +9,7 @@ Backward, with g = dy * w_eff:
 A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
 gradient reaching h from downstream adds to dx (and is also the residual's gradient).
 
-Kernels, four plans by row length N (tables at the end of the kernels):
+Kernels, five plans by row length N (tables at the end of the kernels):
 - rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row.
@@ -18,6 +18,8 @@ Kernels, four plans by row length N (tables at the end of the kernels):
   backward (LayerNorm) on a grid of (row blocks x column chunks), each program keeping its
   chunk's dweight / dbias in registers, after a first small kernel has computed each row's
   sums mean(g x^), mean(g) (x and dy are read twice).
+- packed (LayerNorm's forward of 16-bit rows of 28672-32768): the row in registers as
+  32-bit words of two values, read once, the output written in parts.
 - split (forward, the longest rows): ticket-ordered slices (pintail/_split.py), each
   publishing its sums, the output written `lag` rows behind from a re-read that hits L2:
   x read from HBM once, y written once.
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2,
+from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, pack_pairs, unpack_pairs,
                       no_second_derivative, program_slots, row_alignment, runs_kernels, unit_stride, whole_tiles)
 
 
@@ -171,6 +173,55 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n, x_row_stride, y_row_stride,
+                           eps, zero, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+                           BLOCK: tl.constexpr, PARTS: tl.constexpr, EVEN: tl.constexpr, STATS: tl.constexpr):
+    # LayerNorm of a row of N (even, <= BLOCK) 16-bit values held as BLOCK / 2 words of two
+    # (softmax's packed plan): x read from HBM once, the exact two-pass statistics from the
+    # registers, then y in PARTS parts. `zero` is a runtime 0 the compiler cannot fold: each
+    # pass unpacks the words again through `words ^ (zero & bits of the last reduction)`,
+    # and each part's weight / bias loads wait for the previous part's output the same way,
+    # so only the words and one part's w and b live at once (64 registers at 32768 / 16 warps
+    # / 4 parts: two programs an SM; 70 as one part).
+    row = tl.program_id(0).to(tl.int64)
+    WORDS: tl.constexpr = BLOCK // 2
+    PART: tl.constexpr = WORDS // PARTS
+    words = tl.arange(0, WORDS)
+    in_words = in_row(words, N // 2, EVEN)
+    packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (x_row_stride // 2) + words, mask=in_words,
+                     other=0)
+    low, high = unpack_pairs(packed, BF16)
+    mean = tl.sum(low + high, axis=0) * inv_n
+    low, high = unpack_pairs(packed ^ (zero & mean.to(tl.int32, bitcast=True)), BF16)
+    squares = tl.where(in_words, (low - mean) * (low - mean) + (high - mean) * (high - mean), 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+    tie = zero & rstd.to(tl.int32, bitcast=True)
+    parts = tl.reshape(packed, [PARTS, PART])
+    offs = tl.arange(0, PART)
+    for p in tl.static_range(PARTS):
+        part = tl.sum(tl.where(tl.arange(0, PARTS)[:, None] == p, parts, 0), axis=0)  # row p of the tile
+        low, high = unpack_pairs(part ^ tie, BF16)
+        cols = p * PART + tie * 16 + offs  # tie * 16: known 16-divisible, so the loads stay 16 bytes wide
+        mask = in_row(cols, N // 2, EVEN)
+        low = (low - mean) * rstd
+        high = (high - mean) * rstd
+        if HAS_WEIGHT:
+            w_low, w_high = unpack_pairs(tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + cols, mask=mask, other=0), BF16)
+            low *= w_low
+            high *= w_high
+        if HAS_BIAS:
+            b_low, b_high = unpack_pairs(tl.load(b_ptr.to(tl.pointer_type(tl.int32)) + cols, mask=mask, other=0), BF16)
+            low += b_low
+            high += b_high
+        y = pack_pairs(low, high, BF16)
+        tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + cols, y, mask=mask)
+        tie = zero & tl.max(y, axis=0)
 
 
 @triton.jit
@@ -600,6 +651,10 @@ FORWARD_PLANS = {
 # 0.79 / 0.74 / 0.87: it spills there), float32 0.50-0.53 (against 0.84), and rows of odd
 # length (2-byte loads) 0.09 at 24577 (against 0.30): those keep the chunks.
 RMS_ONE_CHUNK = (24576, 32768, {"plan": "long", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32})
+# LayerNorm of 16-bit rows of even length from 28672 to 32768: the row held as packed words
+# (_forward_packed_kernel), 16 warps, the output in 4 parts. Kernel alone, H200, bf16
+# (scripts/exp_norm_long_warps.py, session 14): 0.845 at 32768 against the long plan's 0.796.
+LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16, "PARTS": 4})
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -635,14 +690,18 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
-def forward_config(N, rms, residual=False, narrow=True):
+def forward_config(N, rms, residual=False, narrow=True, packable=False):
     """The forward's plan for rows of N. narrow: 2-byte x, weight and y, no bias, rows and
     strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
-    register cap."""
+    register cap. packable: x, y, weight and bias of one 16-bit dtype, rows of even length
+    starting 4-byte aligned (LayerNorm's packed plan)."""
     kind = _kind(rms) + ("+residual" if residual else "")
     low, high, one_chunk = RMS_ONE_CHUNK
     if kind == "rms" and narrow and low < N <= high:
         return one_chunk
+    low, high, packed = LAYER_PACKED
+    if kind == "layer" and packable and low < N <= high:
+        return packed
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
             continue
@@ -685,7 +744,9 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                     dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
-    cfg = config or forward_config(N, rms, residual is not None, narrow)
+    packable = (residual is None and x.element_size() == 2 and not any(size % 2 for size in (N, x.stride(0), y.stride(0)))
+                and all(t.dtype == x.dtype and t.data_ptr() % 4 == 0 for t in (x, y, weight, bias) if t is not None))
+    cfg = config or forward_config(N, rms, residual is not None, narrow, packable)
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
@@ -701,6 +762,12 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align, STATS=stats)
+    elif cfg["plan"] == "packed":
+        block = min(cfg["BLOCK"], next_power_of_2(N))
+        launch(_forward_packed_kernel, (M,), x, args[3], args[4], y, mean, rstd, N, 1.0 / N, x.stride(0), y.stride(0),
+               eps, 0, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
+               BLOCK=block, PARTS=min(cfg["PARTS"], block // 2), EVEN=N == block, STATS=stats,
+               num_warps=cfg["num_warps"])
     elif cfg["plan"] == "long":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (KERNEL_DTYPES, aligned, as_rows, canonical_dim, cdiv, empty_like_rows, in_row, launch,
-                      next_power_of_2, no_second_derivative, row_alignment, runs_kernels, whole_tiles)
+from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
+                      empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs, row_alignment,
+                      runs_kernels, unpack_pairs, whole_tiles)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -129,31 +130,6 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
-NEG_INF_BF16_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: a word of two bf16 -inf
-NEG_INF_FP16_PAIR: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
-
-
-@triton.jit
-def _unpack_pairs(words, BF16: tl.constexpr):
-    # 32-bit words of two 16-bit floats (little-endian: a row's element 2i in the low half)
-    # -> two float32 tensors. bf16 is float32's upper half, so bf16 needs only a shift.
-    if BF16:
-        return (words << 16).to(tl.float32, bitcast=True), (words & -65536).to(tl.float32, bitcast=True)
-    else:
-        low = (words & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return low, high
-
-
-@triton.jit
-def _pack_pairs(low, high, BF16: tl.constexpr):
-    # two float32 tensors -> words of two 16-bit floats (rounded to nearest even, as torch)
-    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
-    low16 = low.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    high16 = high.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return low16 | high16
-
-
 @triton.jit
 def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr,
                            BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -167,17 +143,17 @@ def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LO
     mask = words < N // 2
     packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (x_row_stride // 2) + words, mask=mask,
                      other=NEG_INF_BF16_PAIR if BF16 else NEG_INF_FP16_PAIR)
-    low, high = _unpack_pairs(packed, BF16)
+    low, high = unpack_pairs(packed, BF16)
     row_max = tl.max(tl.maximum(low, high), axis=0)
     shift = tl.where(row_max == -float("inf"), 0.0, row_max)  # a row of -inf: NaN, as torch
-    low, high = _unpack_pairs(packed ^ (zero & row_max.to(tl.int32, bitcast=True)), BF16)
+    low, high = unpack_pairs(packed ^ (zero & row_max.to(tl.int32, bitcast=True)), BF16)
     total = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
     log2_total = tl.log2(total)
-    low, high = _unpack_pairs(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
+    low, high = unpack_pairs(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
     if LOG:
-        y = _pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
+        y = pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
     else:
-        y = _pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
+        y = pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
                         tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
     tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + words, y, mask=mask)
 

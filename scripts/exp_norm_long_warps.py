@@ -32,7 +32,7 @@ import triton.language as tl
 from measure import copy_bandwidth, experiment, print_fraction
 
 norm = importlib.import_module("pintail.norm")
-softmax = importlib.import_module("pintail.softmax")
+launch_helpers = importlib.import_module("pintail._launch")
 
 
 @triton.jit
@@ -47,20 +47,20 @@ def layer_packed_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, eps, zero, BLOCK: tl.cons
     WORDS: tl.constexpr = BLOCK // 2
     PART: tl.constexpr = WORDS // PARTS
     packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (N // 2) + tl.arange(0, WORDS))
-    low, high = softmax._unpack_pairs(packed, True)
+    low, high = launch_helpers.unpack_pairs(packed, True)
     mean = tl.sum(low + high, axis=0) / N
-    low, high = softmax._unpack_pairs(packed ^ (zero & mean.to(tl.int32, bitcast=True)), True)
+    low, high = launch_helpers.unpack_pairs(packed ^ (zero & mean.to(tl.int32, bitcast=True)), True)
     rstd = 1.0 / tl.sqrt(tl.sum((low - mean) * (low - mean) + (high - mean) * (high - mean), axis=0) / N + eps)
     tie = zero & rstd.to(tl.int32, bitcast=True)
     parts = tl.reshape(packed, [PARTS, PART])
     offs = tl.arange(0, PART)
     for p in tl.static_range(PARTS):
         part = tl.sum(tl.where(tl.arange(0, PARTS)[:, None] == p, parts, 0), axis=0)  # row p of the tile
-        low, high = softmax._unpack_pairs(part ^ tie, True)
+        low, high = launch_helpers.unpack_pairs(part ^ tie, True)
         base = p * PART + tie * 16  # tie * 16: still 64-byte aligned, so the loads stay 16 bytes wide
-        w_low, w_high = softmax._unpack_pairs(tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
-        b_low, b_high = softmax._unpack_pairs(tl.load(b_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
-        y = softmax._pack_pairs((low - mean) * rstd * w_low + b_low, (high - mean) * rstd * w_high + b_high, True)
+        w_low, w_high = launch_helpers.unpack_pairs(tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
+        b_low, b_high = launch_helpers.unpack_pairs(tl.load(b_ptr.to(tl.pointer_type(tl.int32)) + base + offs), True)
+        y = launch_helpers.pack_pairs((low - mean) * rstd * w_low + b_low, (high - mean) * rstd * w_high + b_high, True)
         tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (N // 2) + p * PART + offs, y)
         tie = zero & tl.max(y, axis=0)
 

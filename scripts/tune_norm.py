@@ -88,7 +88,7 @@ def main():
             b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = (norm.forward_config(N, rms, args.residual) if direction == "fwd"
+            default = (norm.forward_config(N, rms, args.residual, packable=not args.residual) if direction == "fwd"
                        else norm.backward_config(N, rms, args.residual))
             residual = torch.randn_like(x) if args.residual else None
             dh = residual if args.residual else None  # the backward's extra read (any values do)

@@ -146,6 +146,52 @@ def test_rms_forward_register_cap_only_for_narrow_rows(dtype, N, bias, capped, m
     assert all(kwargs["BLOCK"] == (32768 if capped else 16384) for kwargs in forward)
 
 
+@pytest.fixture
+def layer_packed(monkeypatch):
+    """LayerNorm's packed plan (16-bit rows of 28672-32768 by default) for every row it
+    takes at test sizes, at 4 warps; returns the names of the kernels launched from then on."""
+    monkeypatch.setattr(norm_module, "LAYER_PACKED",
+                        (1, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 4, "PARTS": 4}))
+    return launched_kernels(monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("N", [2, 100, 1000, 4096])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+def test_layer_norm_packed_plan(dtype, N, affine, layer_packed, device):
+    """The row held as words of two 16-bit values, the output in parts (masked where the row
+    is not a power of 2): output and gradients (the backward from its mean / rstd) as torch."""
+    x = torch.randn(3, 2, N, device=device).to(dtype) * 2 + 0.5
+    weight = torch.randn(N, device=device).to(dtype) if affine != "none" else None
+    bias = torch.randn(N, device=device).to(dtype) if affine == "weight+bias" else None
+    check("layer", x, (N,), weight, bias)
+    assert "_forward_packed_kernel" in layer_packed
+
+
+@pytest.mark.parametrize("case", ["odd length", "float32 weight", "odd row stride", "float32"])
+def test_layer_norm_packed_plan_only_where_words_fit(case, layer_packed, device):
+    """Rows that are not whole words, or parameters of another dtype, take the other plans."""
+    N = 101 if case == "odd length" else 100
+    x = torch.randn(3, N + (case == "odd row stride"), device=device,
+                    dtype=torch.float32 if case == "float32" else torch.bfloat16)[:, :N]
+    weight = torch.randn(N, device=device, dtype=torch.float32 if case in ("float32 weight", "float32")
+                         else torch.bfloat16)
+    check("layer", x, (N,), weight, torch.randn(N, device=device, dtype=weight.dtype))
+    assert layer_packed and "_forward_packed_kernel" not in layer_packed
+
+
+def test_layer_norm_packed_plan_past_float32_squares(layer_packed, device):
+    """bf16 holds values whose float32 squares overflow: as torch (variance inf: y = bias; inf
+    and NaN rows NaN; a first value of 1e19 an ordinary row)."""
+    N = 1000
+    x = torch.randn(5, N, device=device, dtype=torch.bfloat16)
+    x[0, 9], x[1, N // 2], x[2, 5], x[3, 7] = 3e38, -2e19, float("inf"), float("nan")
+    x[4, 0] = 1e19
+    w, b = torch.randn(N, device=device, dtype=torch.bfloat16), torch.randn(N, device=device, dtype=torch.bfloat16)
+    torch.testing.assert_close(pintail.layer_norm(x, (N,), w, b), F.layer_norm(x, (N,), w, b), equal_nan=True)
+    assert "_forward_packed_kernel" in layer_packed
+
+
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("N", [7, 1000, 4097])
 @pytest.mark.parametrize("grad", ["no_grad", "no leaf requires grad", "training"])
