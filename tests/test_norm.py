@@ -445,20 +445,34 @@ def test_compile_fullgraph_and_opcheck(device):
         torch.ops.pintail.norm_forward.default(*args[:-1], False)[0].sum().backward()
 
 
-def test_past_2_to_the_31_elements(device):
+@pytest.mark.parametrize("kind, N", [("rms", 262144), ("layer", 262144), ("layer", 32768)])
+def test_past_2_to_the_31_elements(kind, N, device):
+    """Row offsets in int64: 2^31 + 2^21 bf16 elements, through the split plans (262144) and
+    LayerNorm's packed plan (32768); output, dx of a few rows and dweight as torch."""
     if device.type != "cuda":
         pytest.skip("needs 8.6 GB of GPU memory")
-    M, N = 8200, 262144
+    M = 2**31 // N + 2**21 // N
     x = torch.randn(M, N, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(N, device=device, dtype=torch.bfloat16, requires_grad=True)
-    y = pintail.rms_norm(x, (N,), w)
+    b = torch.randn(N, device=device, dtype=torch.bfloat16) if kind == "layer" else None
+
+    def norm(x, w):
+        return F.rms_norm(x, (N,), w) if kind == "rms" else F.layer_norm(x, (N,), w, b.to(x.dtype))
+
+    y = pintail.rms_norm(x, (N,), w) if kind == "rms" else pintail.layer_norm(x, (N,), w, b)
     dy = torch.randn_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    for r in (0, 4096, M - 1):
-        row = x[r:r + 1].detach()
-        ref = F.rms_norm(row.double(), (N,), w.detach().double())
-        assert_matches(y[r:r + 1], ref, F.rms_norm(row, (N,), w.detach()), unit=1.0)
-    dw_ref = (dy.float() * F.rms_norm(x.detach().float(), (N,))).sum(0)
+    for r in (0, M // 2, M - 1):
+        row, row64 = x[r:r + 1].detach(), x[r:r + 1].detach().double().requires_grad_()
+        truth = norm(row64, w.detach().double())
+        (dx_truth,) = torch.autograd.grad(truth, row64, dy[r:r + 1].double())
+        row = row.requires_grad_()
+        same = norm(row, w.detach())
+        (dx_same,) = torch.autograd.grad(same, row, dy[r:r + 1])
+        assert_matches(y[r:r + 1], truth, same, unit=1.0)
+        assert_matches(dx[r:r + 1], dx_truth, dx_same, unit=1.0)
+    x_hat = F.rms_norm(x.detach().float(), (N,)) if kind == "rms" else F.layer_norm(x.detach().float(), (N,))
+    dw_ref = (dy.float() * x_hat).sum(0)
     assert_matches(dw, dw_ref.double(), dw_ref.to(dw.dtype), unit=1.0)
 
 
