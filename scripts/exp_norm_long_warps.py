@@ -20,6 +20,11 @@ about the same (one HBM read instead of an L1 / L2 re-read; more barriers); RMSN
 32 warps within 0.01 of the capped one chunk (0.96 at 32768), and with a bias above its
 0.87; float32 no better than the library. If so the capped plan and its narrow-row rule go.
 
+Got (session 14, H200, fraction of copy): every 32-warp form lost (RMSNorm 32768: 16384 /
+32 warps 0.857 against the library's 0.953; LayerNorm 32768 0.760 against 0.796; float32
+level, 0.849 against 0.841). LayerNorm packed, 16 warps, 4 parts: 0.845 against 0.796 (1
+part 0.655, 32 warps 0.637): taken into the library for 28672-32768.
+
     TRITON_INTERPRET=1 python scripts/exp_norm_long_warps.py --check
     python scripts/exp_norm_long_warps.py
 """
