@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from . import _split as split, reference
-from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, pack_pairs, unpack_pairs,
-                      no_second_derivative, program_slots, row_alignment, runs_kernels, unit_stride, whole_tiles)
+from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
+                      pack_pairs, program_slots, row_alignment, runs_kernels, unit_stride, unpack_pairs, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -621,9 +621,9 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   0.93-0.94 (it holds the tile in registers: fewer warps in flight). Compiled as one known
 #   trip (ONE_CHUNK, no loop branches): 0.953 at 8192 (0.927-0.930 as a loop), 0.963 at
 #   16384 (the rows plan 0.927-0.931). At 8192 16 warps, as compile's kernel: 0.973-0.977
-#   against 8 warps' 0.952 (two runs, session 14; the earlier sweeps had 8 ahead). One chunk of 32768 at 32 warps (compile's kernel at
-#   32768) gave ours 0.83-0.88 until held to 32 registers: RMS_ONE_CHUNK below. LayerNorm's
-#   long plan did not beat its rows plan to 8192.
+#   against 8 warps' 0.952 (two runs, session 14; the earlier sweeps had 8 ahead). One
+#   chunk of 32768 at 32 warps (compile's kernel at 32768) gave ours 0.83-0.88 until held to
+#   32 registers: RMS_ONE_CHUNK below. LayerNorm's long plan did not beat its rows plan to 8192.
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
 #   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
 #   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
@@ -744,7 +744,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                     dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
-    packable = (residual is None and x.element_size() == 2 and not any(size % 2 for size in (N, x.stride(0), y.stride(0)))
+    packable = (residual is None and x.element_size() == 2
+                and not any(size % 2 for size in (N, x.stride(0), y.stride(0)))
                 and all(t.dtype == x.dtype and t.data_ptr() % 4 == 0 for t in (x, y, weight, bias) if t is not None))
     cfg = config or forward_config(N, rms, residual is not None, narrow, packable)
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
@@ -911,7 +912,8 @@ class _Norm(torch.autograd.Function):
 
 def _forward_for_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                     bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool,
-                    out_dtype: torch.dtype, stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype, stats: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, stats=stats)
 
 
