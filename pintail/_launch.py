@@ -204,6 +204,16 @@ def no_second_derivative(grads: tuple, *sources) -> tuple:
 
 # 16-bit rows held as 32-bit words of two values (the packed plans: softmax, LayerNorm):
 # half the registers of the row as float32, unpacked again where each pass needs it.
+
+
+def packs_into_words(N: int, rows: tuple, vectors: tuple = ()) -> bool:
+    """Whether rows of N elements (2-D tensors `rows`, and 1-D `vectors` beside them, e.g. a
+    weight; None entries skipped) can be read as 32-bit words of two values: one 16-bit
+    dtype, N and every row stride even, every tensor starting 4-byte aligned."""
+    tensors = [t for t in (*rows, *vectors) if t is not None]
+    return (tensors[0].element_size() == 2 and N % 2 == 0 and all(t.stride(0) % 2 == 0 for t in rows)
+            and all(t.dtype == tensors[0].dtype and t.data_ptr() % 4 == 0 for t in tensors))
+
 NEG_INF_BF16_PAIR: tl.constexpr = tl.constexpr(-8323200)  # 0xFF80FF80: a word of two bf16 -inf
 NEG_INF_FP16_PAIR: tl.constexpr = tl.constexpr(-67044352)  # 0xFC00FC00: two fp16 -inf
 

@@ -40,7 +40,8 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
-                      pack_pairs, program_slots, row_alignment, runs_kernels, unit_stride, unpack_pairs, whole_tiles)
+                      pack_pairs, packs_into_words, program_slots, row_alignment, runs_kernels, unit_stride,
+                      unpack_pairs, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -744,9 +745,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                     dtype=torch.promote_types(x.dtype, residual.dtype) if residual is not None else out_dtype)
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
-    packable = (residual is None and x.element_size() == 2
-                and not any(size % 2 for size in (N, x.stride(0), y.stride(0)))
-                and all(t.dtype == x.dtype and t.data_ptr() % 4 == 0 for t in (x, y, weight, bias) if t is not None))
+    packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
     cfg = config or forward_config(N, rms, residual is not None, narrow, packable)
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from . import _split as split, reference
 from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
-                      empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs, row_alignment,
-                      runs_kernels, unpack_pairs, whole_tiles)
+                      empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
+                      packs_into_words, row_alignment, runs_kernels, unpack_pairs, whole_tiles)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -332,10 +332,7 @@ def backward_config(N, log):
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    packable = (x.dtype == y.dtype and x.element_size() == 2 and
-                not any(v % 2 for v in (N, x.stride(0), y.stride(0))) and
-                x.data_ptr() % 4 == 0 and y.data_ptr() % 4 == 0)
-    cfg = config or forward_config(N, log, x.element_size(), packable)
+    cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,

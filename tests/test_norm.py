@@ -129,18 +129,11 @@ def test_rms_forward_register_cap_only_for_narrow_rows(dtype, N, bias, capped, m
     for 2-byte rows of 8-divisible length without a bias (wider or odd rows, or a bias,
     spilled under the cap on the H200 and keep the chunked plan), and both give torch's
     result."""
-    launched = []
-    real_launch = norm_module.launch
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        launched.append((kernel, kwargs))
-        real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    launched = recorded_launches(monkeypatch)
     x = torch.randn(2, N, device=device, dtype=dtype)
     weight = torch.randn(N, device=device, dtype=dtype)
     check("rms", x, (N,), weight, torch.randn(N, device=device, dtype=dtype) if bias else None)
-    forward = [kwargs for kernel, kwargs in launched if kernel is norm_module._forward_long_kernel]
+    forward = [kwargs for name, kwargs in launched if name == "_forward_long_kernel"]
     assert forward, "the long forward kernel did not run"
     assert all(("maxnreg" in kwargs) == capped for kwargs in forward)
     assert all(kwargs["BLOCK"] == (32768 if capped else 16384) for kwargs in forward)
@@ -199,14 +192,7 @@ def test_statistics_stored_only_for_a_backward(kind, N, grad, plan, monkeypatch,
     """A forward that no backward will follow (grad mode off, or no input, weight or bias
     requiring grad) skips the mean / rstd stores (the rows and long plans; the split plan
     stores them always) and gives torch's result."""
-    launched = []
-    real_launch = norm_module.launch
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        launched.append(kwargs)
-        real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    launched = recorded_launches(monkeypatch)
     x = torch.randn(5, N, device=device, dtype=torch.bfloat16) + 0.5
     weight = torch.randn(N, device=device, dtype=torch.bfloat16)
     bias = torch.randn(N, device=device, dtype=torch.bfloat16)
@@ -219,7 +205,7 @@ def test_statistics_stored_only_for_a_backward(kind, N, grad, plan, monkeypatch,
     y_same, _ = torch_norm(kind, x, (N,), weight.detach(), bias)
     assert_matches(ours, y64, y_same, unit=1.0, factor=2)
     assert ours.requires_grad == (grad == "training")
-    stored = [kwargs["STATS"] for kwargs in launched if "STATS" in kwargs]
+    stored = [kwargs["STATS"] for _, kwargs in launched if "STATS" in kwargs]
     assert stored == ([] if plan == "split" else [grad == "training"])
 
 
@@ -259,16 +245,26 @@ def blocks_config(rows, block, programs_per_sm=4):
     return {"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": 4, "PROGRAMS_PER_SM": programs_per_sm}
 
 
-def launched_kernels(monkeypatch):
-    """The names of the kernels norm launches from now on."""
-    names = []
+def _record_launches(monkeypatch, entry):
+    """entry(kernel name, launch keyword arguments) of each kernel norm launches from now on."""
+    entries = []
 
     def recording_launch(kernel, grid, *args, **kwargs):
-        names.append(kernel.fn.__name__)
+        entries.append(entry(kernel.fn.__name__, kwargs))
         launch(kernel, grid, *args, **kwargs)
     launch = norm_module.launch
     monkeypatch.setattr(norm_module, "launch", recording_launch)
-    return names
+    return entries
+
+
+def recorded_launches(monkeypatch):
+    """(kernel name, launch keyword arguments) of each kernel norm launches from now on."""
+    return _record_launches(monkeypatch, lambda name, kwargs: (name, kwargs))
+
+
+def launched_kernels(monkeypatch):
+    """The names of the kernels norm launches from now on."""
+    return _record_launches(monkeypatch, lambda name, kwargs: name)
 
 
 @pytest.mark.parametrize("M, N, rows, block", [(13, 300, 4, 64), (5, 1000, 8, 256), (3, 4097, 2, 1024), (9, 33, 3, 64),
