@@ -1,0 +1,364 @@
+"""Softmax forward past 32768 with thread-block clusters, in Triton 3.6 as it is: the kernel
+is compiled for one CTA, launched with a cluster dimension (the launcher's packed metadata
+says CLUSTER CTAs per cluster), and the CTAs of a row exchange their (max, sum) through
+distributed shared memory with inline PTX (mapa + st.shared::cluster into a few words past
+the shared memory Triton allocated, barrier.cluster). The row is read once, its exps stay
+in registers, y is written once: one exp an element, no L2 re-read, no waiting on L2.
+
+    python scripts/exp_softmax_cluster.py            # GPU: check, then kernel alone (fraction of copy)
+    python scripts/exp_softmax_cluster.py --inspect  # CPU: compiles for sm_90 (ptxas), registers
+"""
+
+import argparse
+import ctypes
+import importlib
+
+import torch
+import triton
+import triton.language as tl
+
+sm = importlib.import_module("pintail.softmax")
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _cluster_arrive(token, RELEASE: tl.constexpr):
+    # every thread of every CTA of the cluster arrives once; release orders this thread's
+    # earlier stores (the remote ones) before the peers' acquire
+    if RELEASE:
+        return tl.inline_asm_elementwise("barrier.cluster.arrive.release;\nmov.b32 $0, $1;", "=r,r", [token],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nmov.b32 $0, $1;", "=r,r", [token],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _cluster_wait(token):
+    return tl.inline_asm_elementwise("barrier.cluster.wait.acquire;\nmov.b32 $0, $1;", "=r,r", [token],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_to_peers(offset, peers, hi, lo):
+    # (hi, lo) into the word at `offset` of each peer CTA's shared memory
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $1;\nmapa.shared::cluster.u32 a, a, $2;\n"
+        "st.shared::cluster.v2.f32 [a], {$3, $4};\nmov.b32 $0, 0;\n}",
+        "=r,r,r,f,f", [offset + peers * 0, peers, hi + peers * 0.0, lo + peers * 0.0],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_local(offsets):
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $2;\nld.shared.v2.f32 {$0, $1}, [a];\n}",
+        "=f,=f,r", [offsets], dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["SLOTS"])
+def _forward_cluster_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, SLOTS, LOG: tl.constexpr,
+                            BLOCK: tl.constexpr, CLUSTER: tl.constexpr):
+    cta = tl.program_id(0)
+    row = (cta // CLUSTER).to(tl.int64)
+    rank = cta % CLUSTER
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+    token = _cluster_arrive(rank, RELEASE=False)  # peers must be running before their shared memory is written
+    slice_max = tl.max(x, axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+    e = tl.exp2((x - shift) * LOG2E)
+    part = tl.sum(e, axis=0)
+    token = _cluster_wait(token)
+    peers = tl.arange(0, CLUSTER)
+    done = _store_to_peers(SLOTS + rank * 8 + token * 0, peers, slice_max, part)
+    token = _cluster_arrive(tl.max(done, axis=0), RELEASE=True)
+    token = _cluster_wait(token)
+    maxes, sums = _load_local(SLOTS + peers * 8 + token * 0)
+    row_max = tl.max(maxes, axis=0)
+    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    if LOG:
+        y = (x - row_max) - log2_total * LN2
+    else:
+        y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit(do_not_specialize=["SLOTS", "ROUNDS"])
+def _forward_cluster_rounds_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, SLOTS, ROUNDS, LOG: tl.constexpr,
+                                   BLOCK: tl.constexpr, CLUSTER: tl.constexpr, STAGES: tl.constexpr):
+    # Persistent clusters: cluster c takes rows c, c + clusters, ...; nothing waits across
+    # clusters, so a static order costs no lockstep, and the pipeliner streams the next
+    # rows' slices into shared memory (cp.async) while this row's exchange waits. The
+    # exchange words alternate between two buffers: a peer can be one row ahead, not two
+    # (it cannot pass the next barrier before this CTA has read).
+    cta = tl.program_id(0)
+    clusters = tl.num_programs(0) // CLUSTER
+    cluster = cta // CLUSTER
+    rank = cta % CLUSTER
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    peers = tl.arange(0, CLUSTER)
+    token = _cluster_wait(_cluster_arrive(rank, RELEASE=False))  # peers running before their memory is written
+    for i in tl.range(0, ROUNDS, num_stages=STAGES):
+        row = cluster + i * clusters
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (row < M),
+                    other=-float("inf")).to(tl.float32)
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+        e = tl.exp2((x - shift) * LOG2E)
+        words = SLOTS + (i % 2) * (CLUSTER * 8) + token * 0
+        done = _store_to_peers(words + rank * 8, peers, slice_max, tl.sum(e, axis=0))
+        token = _cluster_wait(_cluster_arrive(tl.max(done, axis=0), RELEASE=True))
+        maxes, sums = _load_local(words + peers * 8 + token * 0)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=(cols < N) & (row < M))
+
+
+def cluster_rounds_forward(x, block, warps, stages, log=False, fill=1.0):
+    M, N = x.shape
+    cluster = triton.cdiv(N, block)
+    y = torch.empty_like(x)
+    kw = dict(LOG=log, BLOCK=block, CLUSTER=cluster, STAGES=stages, num_warps=warps)
+    key = ("rounds", x.dtype, block, warps, cluster, log, stages)
+    if key not in _COMPILED:
+        k = _forward_cluster_rounds_kernel.warmup(x, y, M, N, x.stride(0), y.stride(0), 0, 1,
+                                                  grid=(cluster,), **kw)
+        k = k.result() if hasattr(k, "result") else k
+        k._init_handles()
+        slots = -(-k.metadata.shared // 16) * 16
+        fits = max_active_clusters(k, cluster, slots + 16 * cluster)
+        print(f"    {block}/{warps}w/{stages} stages: {k.n_regs} registers, {slots} B shared, {fits} clusters of"
+              f" {cluster} fit", flush=True)
+        _COMPILED[key] = (k, slots, (k.metadata.num_warps, cluster, slots + 16 * cluster), fits)
+    k, slots, packed, fits = _COMPILED[key]
+    clusters = max(1, int(fits * fill))
+    rounds = triton.cdiv(M, clusters)
+    k.run(clusters, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, packed, None, None, None,
+          x, y, M, N, x.stride(0), y.stride(0), slots, rounds, log, block, cluster, stages)
+    return y
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def max_active_clusters(k, cluster, shared):
+    """cuOccupancyMaxActiveClusters: how many clusters of this kernel fit on the GPU at once."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    assert cuda.cuFuncSetAttribute(ctypes.c_void_p(k.function), 8, shared) == 0  # max dynamic shared memory
+    if cluster > 8:
+        assert cuda.cuFuncSetAttribute(ctypes.c_void_p(k.function), 14, 1) == 0  # non-portable size allowed
+    attr = _LaunchAttribute(id=4)
+    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+    cfg = _LaunchConfig(shared=shared, attrs=ctypes.pointer(attr), num_attrs=1)
+    cfg.grid[0], cfg.grid[1], cfg.grid[2] = cluster, 1, 1
+    cfg.block[0], cfg.block[1], cfg.block[2] = 32 * k.metadata.num_warps, 1, 1
+    n = ctypes.c_int()
+    err = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(k.function), ctypes.byref(cfg))
+    assert err == 0, f"cuOccupancyMaxActiveClusters: error {err}"
+    return n.value
+
+
+_COMPILED = {}
+ONE_SHOT = False  # the one-shot cluster kernel too (one config)
+
+
+# The exchange without fences: each CTA's words arrive by st.async, which counts its bytes
+# on the receiver's mbarrier (complete_tx); the receiver expects CLUSTER * 8 bytes a row
+# and waits on the barrier's phase. Region past Triton's shared memory: two mbarriers,
+# then two buffers of CLUSTER words (rows alternate between them).
+
+
+@triton.jit
+def _init_barriers(base, token):
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+        "@p mbarrier.init.shared::cta.b64 [b], 1;\n@p mbarrier.init.shared::cta.b64 [b+8], 1;\n"
+        "@p fence.mbarrier_init.release.cluster;\nmov.b32 $0, $2;\n}",
+        "=r,r,r", [base, token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _expect_words(bar, nbytes, token):
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, nbytes, token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _send_to_peers(slot, bar, hi, lo, cluster):
+    # thread t < cluster sends (hi, lo) to peer t's `slot`, counted on peer t's `bar`
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, s, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.lt.u32 p, t, $5;\n"
+        "mov.u32 s, global_smem;\nadd.u32 s, s, $1;\nmov.u32 b, global_smem;\nadd.u32 b, b, $2;\n"
+        "@p mapa.shared::cluster.u32 s, s, t;\n@p mapa.shared::cluster.u32 b, b, t;\n"
+        "@p st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [s], {$3, $4}, [b];\nmov.b32 $0, 0;\n}",
+        "=r,r,r,f,f,r", [slot, bar, hi, lo, cluster], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_phase(bar, parity, token):
+    # spins inside the asm: a Triton while loop around it stops the pipeliner (no cp.async)
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, parity, token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["SLOTS", "ROUNDS"])
+def _forward_cluster_mbar_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, SLOTS, ROUNDS, LOG: tl.constexpr,
+                                 BLOCK: tl.constexpr, CLUSTER: tl.constexpr, STAGES: tl.constexpr):
+    cta = tl.program_id(0)
+    clusters = tl.num_programs(0) // CLUSTER
+    cluster = cta // CLUSTER
+    rank = cta % CLUSTER
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    peers = tl.arange(0, CLUSTER)
+    token = _init_barriers(SLOTS, rank)
+    token = _cluster_wait(_cluster_arrive(token, RELEASE=True))  # every barrier initialised before any is used
+    for i in tl.range(0, ROUNDS, num_stages=STAGES):
+        row = cluster + i * clusters
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (row < M),
+                    other=-float("inf")).to(tl.float32)
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+        e = tl.exp2((x - shift) * LOG2E)
+        bar = SLOTS + (i % 2) * 8 + token * 0
+        words = SLOTS + 16 + (i % 2) * (CLUSTER * 8)
+        token = _expect_words(bar, CLUSTER * 8, token)
+        token = _send_to_peers(words + rank * 8 + token * 0, bar, slice_max, tl.sum(e, axis=0), CLUSTER)
+        token = _wait_phase(bar, (i // 2) % 2, token)
+        maxes, sums = _load_local(words + peers * 8 + token * 0)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=(cols < N) & (row < M))
+
+
+def cluster_mbar_forward(x, block, warps, stages, log=False):
+    M, N = x.shape
+    cluster = triton.cdiv(N, block)
+    y = torch.empty_like(x)
+    kw = dict(LOG=log, BLOCK=block, CLUSTER=cluster, STAGES=stages, num_warps=warps)
+    key = ("mbar", x.dtype, block, warps, cluster, log, stages)
+    if key not in _COMPILED:
+        k = _forward_cluster_mbar_kernel.warmup(x, y, M, N, x.stride(0), y.stride(0), 0, 1, grid=(cluster,), **kw)
+        k = k.result() if hasattr(k, "result") else k
+        k._init_handles()
+        slots = -(-k.metadata.shared // 16) * 16
+        extra = 16 + 16 * cluster
+        fits = max_active_clusters(k, cluster, slots + extra)
+        print(f"    mbar {block}/{warps}w/{stages} stages: {k.n_regs} registers, {slots} B shared, {fits} clusters of"
+              f" {cluster} fit", flush=True)
+        _COMPILED[key] = (k, slots, (k.metadata.num_warps, cluster, slots + extra), fits)
+    k, slots, packed, fits = _COMPILED[key]
+    rounds = triton.cdiv(M, fits)
+    k.run(fits, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, packed, None, None, None,
+          x, y, M, N, x.stride(0), y.stride(0), slots, rounds, log, block, cluster, stages)
+    return y
+
+
+def cluster_forward(x, block, warps, log=False):
+    M, N = x.shape
+    cluster = triton.cdiv(N, block)
+    y = torch.empty_like(x)
+    args = (x, y, N, x.stride(0), y.stride(0), 0)
+    kw = dict(LOG=log, BLOCK=block, CLUSTER=cluster, num_warps=warps)
+    key = (x.dtype, block, warps, cluster, log)
+    if key not in _COMPILED:
+        k = _forward_cluster_kernel.warmup(*args, grid=(M * cluster,), **kw)
+        k = k.result() if hasattr(k, "result") else k
+        k._init_handles()
+        slots = -(-k.metadata.shared // 16) * 16
+        # the launcher multiplies grid x by the cluster size: pass M clusters
+        _COMPILED[key] = (k, slots, (k.metadata.num_warps, cluster, slots + 8 * cluster))
+    k, slots, packed = _COMPILED[key]
+    k.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, k.function, packed, None, None, None,
+          x, y, N, x.stride(0), y.stride(0), slots, log, block, cluster)  # constexprs too, in order
+    return y
+
+
+def inspect():
+    ik = importlib.import_module("inspect_kernel")
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
+           "SLOTS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr"}
+    for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 8), (16384, 16, 16), (4096, 4, 8)):
+        ik.inspect(_forward_cluster_kernel, sig, {"LOG": False, "BLOCK": block, "CLUSTER": cluster}, warps)
+    sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
+           "SLOTS": "i32", "ROUNDS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr",
+           "STAGES": "constexpr"}
+    for block, warps, cluster, stages in ((8192, 4, 16, 1), (8192, 4, 16, 2), (8192, 4, 16, 3), (4096, 4, 8, 3),
+                                          (8192, 8, 16, 3), (16384, 8, 8, 3)):
+        ik.inspect(_forward_cluster_rounds_kernel, sig,
+                   {"LOG": False, "BLOCK": block, "CLUSTER": cluster, "STAGES": stages}, warps)
+        ik.inspect(_forward_cluster_mbar_kernel, sig,
+                   {"LOG": False, "BLOCK": block, "CLUSTER": cluster, "STAGES": stages}, warps)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--inspect", action="store_true")
+    args = p.parse_args()
+    if args.inspect:
+        return inspect()
+    from measure import long_rows, print_fraction
+    for N, M, copy_bw in long_rows(lambda device: None, sizes=(32768, 65536, 131072, 262144)):
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
+        nbytes = 2 * x.numel() * 2
+        print_fraction(f"N={N} library", lambda: sm.softmax(x), nbytes, copy_bw)
+        for name, fn, block, warps, stages in (
+                ("mbar", cluster_mbar_forward, 4096, 4, 3), ("mbar", cluster_mbar_forward, 8192, 4, 3),
+                ("mbar", cluster_mbar_forward, 8192, 4, 2), ("mbar", cluster_mbar_forward, 8192, 8, 3),
+                ("mbar", cluster_mbar_forward, 8192, 8, 4), ("mbar", cluster_mbar_forward, 16384, 8, 3),
+                ("mbar", cluster_mbar_forward, 16384, 16, 3), ("mbar", cluster_mbar_forward, 16384, 16, 2),
+                ("mbar", cluster_mbar_forward, 8192, 4, 1),
+                ("fenced", cluster_rounds_forward, 8192, 4, 3), ("fenced", cluster_rounds_forward, 16384, 8, 3)):
+            cluster = triton.cdiv(N, block)
+            if cluster > 16 or cluster < 2:
+                continue
+            label = f"N={N} {name}: cluster {cluster} x {block}/{warps}w/{stages} stages"
+            try:
+                y = fn(x, block, warps, stages)
+                err = (y.float() - torch.softmax(x.float(), -1)).abs().max().item()
+            except Exception as e:
+                print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print_fraction(f"{label} (err {err:.1e})", lambda: fn(x, block, warps, stages), nbytes, copy_bw)
+        for block, warps in ((8192, 4),) if ONE_SHOT else ():
+            cluster = triton.cdiv(N, block)
+            if cluster > 16 or cluster < 2:
+                continue
+            label = f"N={N} cluster {cluster} x {block}/{warps}w"
+            for log in (False, True):
+                try:
+                    y = cluster_forward(x, block, warps, log)
+                    ref = (torch.log_softmax if log else torch.softmax)(x.float(), -1)
+                    err = (y.float() - ref).abs().max().item()
+                except Exception as e:
+                    print(f"{label} log={log}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    break
+                print_fraction(f"{label} log={log} (err {err:.1e})", lambda: cluster_forward(x, block, warps, log),
+                               nbytes, copy_bw)
+
+
+if __name__ == "__main__":
+    main()
