@@ -71,7 +71,7 @@ def whole_tiles(M: int, N: int, cfg: dict) -> bool:
 
 # Compiled kernels by (kernel, device, specialisation, launch options): see launch().
 _COMPILED = {}
-_TRITON_3_6 = triton.__version__.startswith("3.6.")
+TRITON_3_6 = triton.__version__.startswith("3.6.")
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -98,7 +98,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         with torch.cuda.device(device):
             launch(kernel, grid, *args, **kwargs)
         return
-    if not _TRITON_3_6:
+    if not TRITON_3_6:
         kernel[grid](*args, **kwargs)
         return
     bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _split as split, reference
+from . import _cluster as cluster, _split as split, reference
 from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
                       empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
                       packs_into_words, row_alignment, runs_kernels, unpack_pairs, whole_tiles)
@@ -97,6 +97,33 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
                 y = tl.exp2((x_old - row_max) * LOG2E - log2_total)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, LOG: tl.constexpr,
+                            BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    # A row across the CLUSTER CTAs of a cluster (pintail/_cluster.py): CTA `rank` holds
+    # slice `rank` in registers (its exps, for softmax), trades (max, sum of exp(x - max))
+    # with its peers through distributed shared memory, and writes its slice of y from the
+    # registers: one read, one write, one exp an element.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
+        mask = (cols < N) & (row < M)
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
+        e = tl.exp2((x - shift) * LOG2E)
+        maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER,
+                                                 CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -291,6 +318,12 @@ FORWARD_TWO_PASS_ROW_BYTES = 65536
 FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16})
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
+# Rows the split plan would take, up to 16 slices, go across a thread-block cluster where the
+# GPU has clusters (_forward_cluster_kernel): (row length up to, slice, warps). Kernel alone,
+# H200, bf16 (scripts/exp_softmax_cluster.py): 0.88 / 0.86 at 65536 / 131072 with 8192 / 4
+# warps against the split plan's 0.79. At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) 0.72 against
+# the split plan's 0.80: longer rows keep the split plan.
+FORWARD_CLUSTER = [(131072, 8192, 4)]
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -311,14 +344,19 @@ def _config(N, rows_table, split):
     return split
 
 
-def forward_config(N, log=False, item_size=2, packable=False):
+def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     """The forward's plan for rows of N elements of item_size bytes; packable: 16-bit rows of
-    even length whose rows start 4-byte aligned (the packed plan's words)."""
+    even length whose rows start 4-byte aligned (the packed plan's words); clusters: the GPU
+    runs thread-block clusters (_cluster.available)."""
     low, high, packed = FORWARD_PACKED
     if packable and low < N <= high:
         return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
-    return _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
+    cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
+    for limit, block, warps in FORWARD_CLUSTER if cfg["plan"] == "split" and clusters else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
+    return cfg
 
 
 def backward_config(N, log):
@@ -332,7 +370,7 @@ def backward_config(N, log):
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)))
+    cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
@@ -342,6 +380,10 @@ def launch_forward(x, y, log, config=None):
         launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log,
                BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
                num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "cluster":
+        ctas = cdiv(N, cfg["BLOCK"])
+        cluster.launch(_forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
+                       BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])

@@ -39,6 +39,10 @@ def configs(N, direction):
         # 16-32 warps an SM (session 13's RMSNorm gain came from such a step)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
                 ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (8192, 32), (16384, 32), (4096, 16), (4096, 32))]
+    if N >= 16384 and direction == "fwd":
+        # across a thread-block cluster (2-16 CTAs a row): (slice, warps)
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps} for block, warps in
+                ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)) if 2 <= -(-N // block) <= 16]
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
@@ -55,6 +59,7 @@ def main():
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
+    p.add_argument("--plans", default="", help="only these plans, e.g. cluster,split")
     args = p.parse_args()
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -66,9 +71,12 @@ def main():
             y = torch.empty_like(x)
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
-            default = sm.forward_config(N, args.log) if direction == "fwd" else sm.backward_config(N, args.log)
+            default = sm.forward_config(N, args.log, 2, packable=True, clusters=True) if direction == "fwd" \
+                else sm.backward_config(N, args.log)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
-            for cfg in [default] if args.default_only else configs(N, direction):
+            plans = [default] if args.default_only else configs(N, direction)
+            plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]
+            for cfg in plans:
                 if direction == "fwd":
                     fn = lambda: sm.launch_forward(x, y, args.log, cfg)
                 else:

@@ -110,19 +110,72 @@ def test_long_rows_forward_plans():
         assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 4)["plan"] == "split"
 
 
+def test_long_rows_forward_plans_with_clusters():
+    """Where the GPU has thread-block clusters, the rows the split plan would take go across a
+    cluster, up to 16 slices a row (131072 elements); the other plans stay as they were."""
+    for log in (False, True):
+        config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
+            N, log, item_size, packable, clusters=True)
+        assert config(32768)["plan"] == "packed" and config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
+        assert config(1000)["plan"] == "rows"
+        assert config(32769) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
+        assert config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
+        assert config(131073)["plan"] == "split"
+        assert config(FORWARD_PAST_ON_CHIP, 4)["plan"] == "cluster"
+
+
 def forward_plans_run(monkeypatch, fn):
-    """The forward kernels fn() launched, by name."""
+    """The forward kernels fn() launched, by name (plain and cluster launches)."""
     launched = []
-    real_launch = softmax_module.launch
 
-    def recording_launch(kernel, grid, *args, **kwargs):
-        launched.append(kernel.__name__)
-        real_launch(kernel, grid, *args, **kwargs)
+    def recorder(real_launch):
+        def recording_launch(kernel, *args, **kwargs):
+            launched.append(kernel.__name__)
+            real_launch(kernel, *args, **kwargs)
+        return recording_launch
 
-    monkeypatch.setattr(softmax_module, "launch", recording_launch)
-    fn()
-    monkeypatch.setattr(softmax_module, "launch", real_launch)
+    with monkeypatch.context() as patch:
+        patch.setattr(softmax_module, "launch", recorder(softmax_module.launch))
+        patch.setattr(softmax_module.cluster, "launch", recorder(softmax_module.cluster.launch))
+        fn()
     return [name for name in launched if name.startswith("_forward")]
+
+
+@pytest.fixture
+def cluster_device(device):
+    if not softmax_module.cluster.available(torch.device(device)):
+        pytest.skip("thread-block clusters need a GPU of compute capability 9.0+ and compiled kernels")
+    return device
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072])
+def test_cluster_forward(op, dtype, N, monkeypatch, cluster_device):
+    """Rows across a thread-block cluster (2 to 16 CTAs): against torch, with a slice of -inf
+    entries, extreme values, a row of -inf (NaN, as torch); the last slice masked where N is
+    not a multiple of the slice."""
+    x = torch.randn(5, N, device=cluster_device) * 3
+    x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
+    x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
+    x[2, 1::3] = -1e4
+    x = x.to(dtype)
+    assert forward_plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_cluster_kernel"]
+    x[4] = -float("inf")
+    ours_fn, torch_fn = OPS[op]
+    assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cluster_forward_over_many_rounds(op, monkeypatch, cluster_device):
+    """More rows than clusters fit, so each cluster takes many rows in turn (its exchange
+    buffers alternate, its mbarriers' phases wrap); rows of a strided view."""
+    wide = torch.randn(3000, 40000, device=cluster_device, dtype=torch.bfloat16) * 2
+    x = wide[:, 5:40000 - 2]  # 39993 elements a row, rows 40000 apart, starting 10 bytes in
+    ours_fn, torch_fn = OPS[op]
+    plans = forward_plans_run(monkeypatch, lambda: assert_matches(ours_fn(x, -1), torch_fn(x.double(), -1),
+                                                                   torch_fn(x, -1)))
+    assert plans == ["_forward_cluster_kernel"]
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -1,0 +1,198 @@
+"""Rows cut across the CTAs of a thread-block cluster (sm_90): each CTA holds one slice of a
+row in registers, and the CTAs of a cluster trade the slices' partial statistics through
+distributed shared memory. The row is read once and written once, with no wait on L2.
+
+Triton 3.6 cannot compile a kernel for clusters (num_ctas > 1 fails in its PlanCTA pass,
+and Gluon's cluster layouts cannot reduce across CTAs), so a kernel here is compiled for
+one CTA and launched with a cluster dimension: the launcher takes the cluster size from the
+compiled kernel's packed metadata (num_warps, num_ctas, shared bytes), which `launch`
+rewrites. A CTA's rank in its cluster is then its program id modulo the cluster size. The
+exchange is inline PTX on a few words past the shared memory Triton allocated (its base is
+the module's `global_smem`): two mbarriers and two buffers of one 8-byte word per CTA,
+rows alternating between them. Each CTA sends its word to every peer with st.async, whose
+bytes count on the peer's mbarrier (complete_tx), and waits until its own mbarrier has
+counted CLUSTER words: no fences, no polling of L2. A peer can run one row ahead (its next
+word lands in the other buffer) but not two: its send for the row after next waits on this
+CTA's word for the next row, sent after this CTA has read the current one.
+
+The grid is persistent (as many clusters as fit at once, from cuOccupancyMaxActiveClusters):
+cluster c takes rows c, c + clusters, ... Nothing waits across clusters, and the CTAs of a
+cluster run together by construction, so no order of dispatch can deadlock.
+
+The interpreter has no inline PTX: there the split plans (_split.py) take these rows.
+"""
+
+import ctypes
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, TRITON_3_6
+
+MAX_CLUSTER = 16  # 8 is the portable limit; the H100 / H200 allow 16 on request
+
+
+def available(device: torch.device) -> bool:
+    """Whether cluster kernels can run on `device`: a GPU of compute capability 9.0 or
+    newer, and the Triton 3.6 launcher whose metadata `launch` rewrites."""
+    return not INTERPRET and TRITON_3_6 and device.type == "cuda" and _has_clusters(device.index)
+
+
+@functools.cache
+def _has_clusters(device_index) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def words_bytes(cluster: int) -> int:
+    """Shared memory the exchange needs past Triton's: two mbarriers, two buffers of words."""
+    return 16 + 16 * cluster
+
+
+# ------------------------------------------------------------------------ device side
+
+
+@triton.jit
+def _cluster_sync(token):
+    # every thread of every CTA of the cluster; release / acquire: the mbarriers one thread
+    # initialised are seen by the peers that will signal them
+    return tl.inline_asm_elementwise("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\nmov.b32 $0, $1;",
+                                     "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def start(WORDS, CLUSTER: tl.constexpr):
+    """(rank in the cluster, cluster index, clusters in the grid, a token for ordering):
+    thread 0 initialises the two mbarriers (one arrival a phase: its own expect_tx), then
+    the whole cluster syncs, so no word is sent to a barrier not yet initialised."""
+    cta = tl.program_id(0)
+    token = tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+        "@p mbarrier.init.shared::cta.b64 [b], 1;\n@p mbarrier.init.shared::cta.b64 [b+8], 1;\n"
+        "@p fence.mbarrier_init.release.cluster;\nmov.b32 $0, $2;\n}",
+        "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
+    token = _cluster_sync(token)
+    return cta % CLUSTER, cta // CLUSTER, tl.num_programs(0) // CLUSTER, token
+
+
+@triton.jit
+def exchange(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    """Row i of this cluster: send (hi, lo) (two float32) to every CTA of the cluster and
+    return every CTA's pair, in rank order, once all have arrived, with a new token. The
+    pairs come as CLUSTER_POW2 (a power of 2, at least CLUSTER) entries, the last ones
+    (-inf, 0)."""
+    bar = WORDS + (i % 2) * 8 + token * 0
+    words = WORDS + 16 + (i % 2) * (CLUSTER * 8)
+    rank = tl.program_id(0) % CLUSTER
+    # thread 0 arrives, expecting CLUSTER words (they may land before it: the phase waits for both)
+    token = tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, CLUSTER * 8, token], dtype=tl.int32, is_pure=False, pack=1)
+    # thread t < CLUSTER sends this CTA's word to slot `rank` of peer t, counted on peer t's barrier
+    token = tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, s, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.lt.u32 p, t, $5;\n"
+        "mov.u32 s, global_smem;\nadd.u32 s, s, $1;\nmov.u32 b, global_smem;\nadd.u32 b, b, $2;\n"
+        "@p mapa.shared::cluster.u32 s, s, t;\n@p mapa.shared::cluster.u32 b, b, t;\n"
+        "@p st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [s], {$3, $4}, [b];\n"
+        "mov.b32 $0, $6;\n}",
+        "=r,r,r,f,f,r,r", [words + rank * 8 + token * 0, bar, hi, lo, CLUSTER, token],
+        dtype=tl.int32, is_pure=False, pack=1)
+    # wait for the phase of row i (rows i and i + 2 share a barrier: parity (i // 2) % 2); the
+    # spin stays inside the asm, as a Triton loop around it would keep Triton's pipeliner off
+    token = tl.inline_asm_elementwise(
+        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, (i // 2) % 2, token], dtype=tl.int32, is_pure=False, pack=1)
+    peers = tl.arange(0, CLUSTER_POW2)
+    his, los = tl.inline_asm_elementwise(
+        "{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $2;\nld.shared.v2.f32 {$0, $1}, [a];\n}",
+        "=f,=f,r", [words + tl.minimum(peers, CLUSTER - 1) * 8 + token * 0], dtype=(tl.float32, tl.float32),
+        is_pure=False, pack=1)
+    return tl.where(peers < CLUSTER, his, -float("inf")), tl.where(peers < CLUSTER, los, 0.0), token
+
+
+# -------------------------------------------------------------------------- host side
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED = 8
+_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+@functools.cache
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result, what):
+    if result != 0:
+        raise RuntimeError(f"pintail: {what} failed with CUDA driver error {result}")
+
+
+def _clusters_that_fit(function: int, num_warps: int, cluster: int, shared: int) -> int:
+    """How many clusters of `cluster` CTAs of this kernel the GPU runs at once (it depends
+    on the registers, the shared memory and how the GPCs' SMs divide by the cluster)."""
+    cuda = _driver()
+    _check(cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED, shared),
+           "cuFuncSetAttribute(max dynamic shared memory)")
+    if cluster > 8:
+        _check(cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+               "cuFuncSetAttribute(non-portable cluster size)")
+    attribute = _Attribute(id=_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attribute.value[0], attribute.value[1], attribute.value[2] = cluster, 1, 1
+    config = _Config(shared=shared, attrs=ctypes.pointer(attribute), num_attrs=1)
+    config.grid[0], config.grid[1], config.grid[2] = cluster, 1, 1
+    config.block[0], config.block[1], config.block[2] = 32 * num_warps, 1, 1
+    fits = ctypes.c_int()
+    _check(cuda.cuOccupancyMaxActiveClusters(ctypes.byref(fits), ctypes.c_void_p(function), ctypes.byref(config)),
+           "cuOccupancyMaxActiveClusters")
+    return fits.value
+
+
+# Per (kernel, device, specialisation, options): the compiled kernel, the exchange's offset
+# in shared memory, the packed metadata to launch with, and the clusters that fit.
+_PREPARED = {}
+
+
+def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
+    """Launch `kernel`, whose last two runtime arguments are named WORDS (the exchange's
+    offset in shared memory) and ROUNDS (rows per cluster; neither specialised), on a
+    persistent grid of clusters of `cluster` CTAs covering `rows` rows. Pass WORDS=0,
+    ROUNDS=1: they are set here."""
+    device = args[0].device.index
+    if device != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return launch(kernel, rows, cluster, *args, **kwargs)
+    bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
+    key = (kernel, device, tuple(specialisation), tuple(options.items()))
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        compiled = kernel.warmup(*args, grid=(cluster,), **kwargs)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()
+        words = -(-compiled.metadata.shared // 16) * 16
+        shared = words + words_bytes(cluster)
+        fits = _clusters_that_fit(compiled.function, compiled.metadata.num_warps, cluster, shared)
+        if fits < 1:
+            raise RuntimeError(f"pintail: no cluster of {cluster} CTAs of {kernel.__name__} fits on this GPU")
+        prepared = (compiled, words, (compiled.metadata.num_warps, cluster, shared), fits)
+        _PREPARED[key] = prepared
+    compiled, words, packed, fits = prepared
+    clusters = min(fits, rows)
+    bound["WORDS"], bound["ROUNDS"] = words, -(-rows // clusters)
+    # the launcher launches clusters x cluster CTAs, in clusters of packed[1]
+    compiled.run(clusters, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function, packed,
+                 None, None, None, *bound.values())
