@@ -349,3 +349,17 @@ def test_modules_drop_in(device):
         truth = theirs(x.double())
         assert_matches(ours(x), truth, theirs(x))
         assert isinstance(ours, type(theirs))
+
+
+def test_cluster_forward_in_a_cuda_graph(cluster_device):
+    """The cluster launch (rewritten launcher metadata, a grid from the occupancy query)
+    captured in a CUDA graph and replayed on new input."""
+    x = torch.randn(64, 65536, device=cluster_device, dtype=torch.bfloat16)
+    pintail.softmax(x, -1)  # compiled and prepared before the capture, as a warm-up step would
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = pintail.softmax(x, -1)
+    x.copy_(torch.randn_like(x) * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(y, torch.softmax(x.double(), -1), torch.softmax(x, -1))
