@@ -172,7 +172,8 @@ def max_active_clusters(k, cluster, shared):
 
 
 _COMPILED = {}
-ONE_SHOT = False  # the one-shot cluster kernel too (one config)
+ONE_SHOT = False
+PACKED_ONLY = True  # this round: the packed variant against the library  # the one-shot cluster kernel too (one config)
 
 
 # The exchange without fences: each CTA's words arrive by st.async, which counts its bytes
@@ -277,6 +278,47 @@ def cluster_mbar_forward(x, block, warps, stages, log=False):
     return y
 
 
+launch_ = importlib.import_module("pintail._launch")
+cluster_ = importlib.import_module("pintail._cluster")
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero, WORDS, ROUNDS,
+                                   BF16: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
+                                   CLUSTER_POW2: tl.constexpr):
+    # The library's cluster kernel with the slice held as words of two 16-bit values (half
+    # the registers: more CTAs an SM), unpacked for each pass (two exps an element).
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
+    words = rank * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters
+        mask = (words < N // 2) & (row < M)
+        packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (x_row_stride // 2) + words,
+                         mask=mask, other=launch_.NEG_INF_BF16_PAIR if BF16 else launch_.NEG_INF_FP16_PAIR)
+        low, high = launch_.unpack_pairs(packed, BF16)
+        slice_max = tl.max(tl.maximum(low, high), axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+        low, high = launch_.unpack_pairs(packed ^ (zero & slice_max.to(tl.int32, bitcast=True)), BF16)
+        part = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
+        maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        low, high = launch_.unpack_pairs(packed ^ (zero & log2_total.to(tl.int32, bitcast=True)), BF16)
+        y = launch_.pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
+                               tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+        tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (y_row_stride // 2) + words, y, mask=mask)
+
+
+def cluster_packed_forward(x, block, warps):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    cluster_.launch(_forward_cluster_packed_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
+                    BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
+                    CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps)
+    return y
+
+
 def cluster_forward(x, block, warps, log=False):
     M, N = x.shape
     cluster = triton.cdiv(N, block)
@@ -299,6 +341,13 @@ def cluster_forward(x, block, warps, log=False):
 
 def inspect():
     ik = importlib.import_module("inspect_kernel")
+    sig = ik.signature(_forward_cluster_packed_kernel)
+    sig["WORDS"] = sig["ROUNDS"] = sig["zero"] = "i32"
+    for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 16), (16384, 16, 16), (4096, 4, 16)):
+        ik.inspect(_forward_cluster_packed_kernel, sig,
+                   {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster}, warps)
+    if PACKED_ONLY:
+        return
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
            "SLOTS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr"}
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 8), (16384, 16, 16), (4096, 4, 8)):
@@ -321,28 +370,22 @@ def main():
     if args.inspect:
         return inspect()
     from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(lambda device: None, sizes=(32768, 65536, 131072, 262144)):
+    for N, M, copy_bw in long_rows(lambda device: None, sizes=(65536, 131072, 262144)):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
         nbytes = 2 * x.numel() * 2
         print_fraction(f"N={N} library", lambda: sm.softmax(x), nbytes, copy_bw)
-        for name, fn, block, warps, stages in (
-                ("mbar", cluster_mbar_forward, 4096, 4, 3), ("mbar", cluster_mbar_forward, 8192, 4, 3),
-                ("mbar", cluster_mbar_forward, 8192, 4, 2), ("mbar", cluster_mbar_forward, 8192, 8, 3),
-                ("mbar", cluster_mbar_forward, 8192, 8, 4), ("mbar", cluster_mbar_forward, 16384, 8, 3),
-                ("mbar", cluster_mbar_forward, 16384, 16, 3), ("mbar", cluster_mbar_forward, 16384, 16, 2),
-                ("mbar", cluster_mbar_forward, 8192, 4, 1),
-                ("fenced", cluster_rounds_forward, 8192, 4, 3), ("fenced", cluster_rounds_forward, 16384, 8, 3)):
+        for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
             cluster = triton.cdiv(N, block)
             if cluster > 16 or cluster < 2:
                 continue
-            label = f"N={N} {name}: cluster {cluster} x {block}/{warps}w/{stages} stages"
+            label = f"N={N} packed: cluster {cluster} x {block}/{warps}w"
             try:
-                y = fn(x, block, warps, stages)
+                y = cluster_packed_forward(x, block, warps)
                 err = (y.float() - torch.softmax(x.float(), -1)).abs().max().item()
             except Exception as e:
                 print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            print_fraction(f"{label} (err {err:.1e})", lambda: fn(x, block, warps, stages), nbytes, copy_bw)
+            print_fraction(f"{label} (err {err:.1e})", lambda: cluster_packed_forward(x, block, warps), nbytes, copy_bw)
         for block, warps in ((8192, 4),) if ONE_SHOT else ():
             cluster = triton.cdiv(N, block)
             if cluster > 16 or cluster < 2:
