@@ -13,6 +13,10 @@ Plans, picked by row length N:
 - two pass (forward, rows of up to 64 KB: N up to 32768 in bf16 / fp16): a program a row
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
+- cluster (forward, GPUs with thread-block clusters, rows the split plan would take up to
+  16 slices): a row across the CTAs of a cluster, each slice in registers, the slices'
+  (max, sum) traded through distributed shared memory (pintail/_cluster.py); one read, one
+  write, one exp per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
