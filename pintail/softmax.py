@@ -21,6 +21,8 @@ Plans, picked by row length N:
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
   once, y written once.
+- cluster (backward, as the forward's, rows of 32769 to 131072 where the GPU has clusters):
+  a CTA holds its slice of y and dy, trades the slice's partial sum; 0.94-0.95 of copy at 131072.
 - own row (softmax backward, rows of 32769 to 524288): ticket-ordered slices too, but a
   program keeps its slice of y and dy in registers, publishes the slice's partial sum, and
   writes dx of that same slice once the row's other slices have published
@@ -282,6 +284,31 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
         ticket, row, y_raw, dy_raw = next_ticket, next_row, y_next, dy_next
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride, WORDS, ROUNDS,
+                             LOG: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
+                             CLUSTER_POW2: tl.constexpr):
+    # The forward's cluster plan for the backward: CTA `rank` holds slice `rank` of y and dy
+    # (as loaded, 16-bit where they are), trades the slice's sum(dy) or sum(y * dy) with its
+    # peers and writes its slice of dx.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    for i in range(0, ROUNDS):
+        row = (first_row + i * clusters).to(tl.int64)
+        mask = (cols < N) & (row < M)
+        y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0)
+        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+        _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), _partial(y_raw, dy_raw, LOG),
+                                           token, CLUSTER, CLUSTER_POW2)
+        total = tl.sum(parts, axis=0)
+        y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (dy - total)
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _partial(y_raw, dy_raw, LOG: tl.constexpr):
     if LOG:
@@ -336,6 +363,12 @@ FORWARD_CLUSTER = [(131072, 8192, 4)]
 # - log_softmax: the lagged plan. Its new slice needs dy alone (the partial is sum(dy)), so
 #   only dy is re-read from L2: 0.90-0.91 at 131072-262144, against own row's 0.81-0.84.
 BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
+# - Up to 16 slices of 8192, either op: across a thread-block cluster where the GPU has them
+#   (_backward_cluster_kernel), (row length up to, slice, warps): 0.94 / 0.95 for softmax /
+#   log_softmax at 131072 (bf16, kernel alone), against own row's 0.84 and the lagged plan's
+#   0.90. At 262144, 16 slices of 16384 (16 warps, one CTA an SM) gave 0.78 / 0.80, below own
+#   row's 0.82 and the lagged plan's 0.90: those keep longer rows.
+BACKWARD_CLUSTER = [(131072, 8192, 8)]
 BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
 
@@ -363,8 +396,11 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     return cfg
 
 
-def backward_config(N, log):
+def backward_config(N, log, clusters=False):
     cfg = _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT)
+    for limit, block, warps in BACKWARD_CLUSTER if cfg["plan"] == "split" and clusters else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
     for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
         if N <= limit:
             return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
@@ -402,12 +438,17 @@ def launch_forward(x, y, log, config=None):
 def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
-    cfg = config or backward_config(N, log)
+    cfg = config or backward_config(N, log, cluster.available(y.device))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "cluster":
+        ctas = cdiv(N, cfg["BLOCK"])
+        cluster.launch(_backward_cluster_kernel, M, ctas, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0),
+                       0, 1, LOG=log, BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
+                       num_warps=cfg["num_warps"])
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),

@@ -39,7 +39,7 @@ def configs(N, direction):
         # 16-32 warps an SM (session 13's RMSNorm gain came from such a step)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
                 ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (8192, 32), (16384, 32), (4096, 16), (4096, 32))]
-    if N >= 16384 and direction == "fwd":
+    if N >= 16384:
         # across a thread-block cluster (2-16 CTAs a row): (slice, warps)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps} for block, warps in
                 ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)) if 2 <= -(-N // block) <= 16]
@@ -72,7 +72,7 @@ def main():
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
             default = sm.forward_config(N, args.log, 2, packable=True, clusters=True) if direction == "fwd" \
-                else sm.backward_config(N, args.log)
+                else sm.backward_config(N, args.log, clusters=True)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
             plans = [default] if args.default_only else configs(N, direction)
             plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]

@@ -126,6 +126,11 @@ def test_long_rows_forward_plans_with_clusters():
 
 def forward_plans_run(monkeypatch, fn):
     """The forward kernels fn() launched, by name (plain and cluster launches)."""
+    return [name for name in plans_run(monkeypatch, fn) if name.startswith("_forward")]
+
+
+def plans_run(monkeypatch, fn):
+    """The kernels fn() launched, by name (plain and cluster launches)."""
     launched = []
 
     def recorder(real_launch):
@@ -138,7 +143,7 @@ def forward_plans_run(monkeypatch, fn):
         patch.setattr(softmax_module, "launch", recorder(softmax_module.launch))
         patch.setattr(softmax_module.cluster, "launch", recorder(softmax_module.cluster.launch))
         fn()
-    return [name for name in launched if name.startswith("_forward")]
+    return launched
 
 
 @pytest.fixture
@@ -151,31 +156,40 @@ def cluster_device(device):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072])
-def test_cluster_forward(op, dtype, N, monkeypatch, cluster_device):
-    """Rows across a thread-block cluster (2 to 16 CTAs): against torch, with a slice of -inf
-    entries, extreme values, a row of -inf (NaN, as torch); the last slice masked where N is
-    not a multiple of the slice."""
+def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device):
+    """Rows across a thread-block cluster (2 to 16 CTAs), forward and backward: against
+    torch, with a slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the
+    last slice masked where N is not a multiple of the slice."""
     x = torch.randn(5, N, device=cluster_device) * 3
     x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
     x[2, 1::3] = -1e4
     x = x.to(dtype)
-    assert forward_plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_cluster_kernel"]
+    assert plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_cluster_kernel", "_backward_cluster_kernel"]
     x[4] = -float("inf")
     ours_fn, torch_fn = OPS[op]
     assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_cluster_forward_over_many_rounds(op, monkeypatch, cluster_device):
+def test_cluster_plans_over_many_rounds(op, monkeypatch, cluster_device):
     """More rows than clusters fit, so each cluster takes many rows in turn (its exchange
     buffers alternate, its mbarriers' phases wrap); rows of a strided view."""
     wide = torch.randn(3000, 40000, device=cluster_device, dtype=torch.bfloat16) * 2
-    x = wide[:, 5:40000 - 2]  # 39993 elements a row, rows 40000 apart, starting 10 bytes in
+    x = wide[:, 5:40000 - 2].requires_grad_()  # 39993 elements a row, rows 40000 apart, 10 bytes in
+    dy = torch.randn(3000, 40000, device=cluster_device, dtype=torch.bfloat16)[:, :39993]
     ours_fn, torch_fn = OPS[op]
-    plans = forward_plans_run(monkeypatch, lambda: assert_matches(ours_fn(x, -1), torch_fn(x.double(), -1),
-                                                                   torch_fn(x, -1)))
-    assert plans == ["_forward_cluster_kernel"]
+
+    def forward_and_backward():
+        y = ours_fn(x, -1)
+        assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
+        (dx,) = torch.autograd.grad(y, x, dy)
+        y64, dy64 = y.detach().double(), dy.double()
+        dx_exact = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if op == "log_softmax" \
+            else y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+        assert_matches(dx, dx_exact, dx_exact.to(dx.dtype))
+
+    assert plans_run(monkeypatch, forward_and_backward) == ["_forward_cluster_kernel", "_backward_cluster_kernel"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -231,6 +245,17 @@ def test_long_rows_backward_plans():
     largest = softmax_module.BACKWARD_OWN_ROW[-1][0]
     assert softmax_module.backward_config(largest + 1, log=False)["plan"] == "split"
     assert softmax_module.backward_config(PAST_ON_CHIP, log=True)["plan"] == "split"
+
+
+def test_long_rows_backward_plans_with_clusters():
+    """Where the GPU has thread-block clusters, rows past the rows plan up to 16 slices of
+    8192 go across a cluster, for either op; longer rows keep their plans."""
+    for log in (False, True):
+        assert softmax_module.backward_config(32768, log, clusters=True)["plan"] == "rows"
+        assert softmax_module.backward_config(PAST_ON_CHIP, log, clusters=True) == \
+            {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
+        assert softmax_module.backward_config(131072, log, clusters=True)["plan"] == "cluster"
+        assert softmax_module.backward_config(131073, log, clusters=True) == softmax_module.backward_config(131073, log)
 
 
 @pytest.mark.parametrize("op", OPS)
