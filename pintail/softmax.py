@@ -14,7 +14,7 @@ Plans, picked by row length N:
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
 - cluster (forward, GPUs with thread-block clusters, rows the split plan would take up to
-  16 slices): a row across the CTAs of a cluster, each slice in registers, the slices'
+  16 slices of 8192 for softmax, 12 for log_softmax): a row across the CTAs of a cluster, each slice in registers, the slices'
   (max, sum) traded through distributed shared memory (pintail/_cluster.py); one read, one
   write, one exp per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
@@ -349,12 +349,14 @@ FORWARD_TWO_PASS_ROW_BYTES = 65536
 FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16})
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
-# Rows the split plan would take, up to 16 slices, go across a thread-block cluster where the
-# GPU has clusters (_forward_cluster_kernel): (row length up to, slice, warps). Kernel alone,
-# H200, bf16 (scripts/exp_softmax_cluster.py): 0.88 / 0.86 at 65536 / 131072 with 8192 / 4
-# warps against the split plan's 0.79. At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) 0.72 against
-# the split plan's 0.80: longer rows keep the split plan.
-FORWARD_CLUSTER = [(131072, 8192, 4)]
+# Rows the split plan would take go across a thread-block cluster where the GPU has clusters
+# (_forward_cluster_kernel), by log: (row length up to, slice, warps). Kernel alone, H200,
+# bf16 (scripts/exp_softmax_cluster.py, tune_softmax.py): softmax 0.88 / 0.83 / 0.85-0.86 at
+# 65536 / 98304 / 131072 with 8192 / 4 warps against the split plan's 0.79; log_softmax 0.83 /
+# 0.83 at 65536 / 98304 against 0.81 / 0.80, but 0.77 at 131072 against 0.80 (16 CTAs: not
+# understood; softmax gains there). At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) softmax 0.72
+# against 0.80: longer rows keep the split plan.
+FORWARD_CLUSTER = {False: [(131072, 8192, 4)], True: [(98304, 8192, 4)]}
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -390,7 +392,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
         return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
-    for limit, block, warps in FORWARD_CLUSTER if cfg["plan"] == "split" and clusters else ():
+    for limit, block, warps in FORWARD_CLUSTER[log] if cfg["plan"] == "split" and clusters else ():
         if N <= limit:
             return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
     return cfg

@@ -112,14 +112,16 @@ def test_long_rows_forward_plans():
 
 def test_long_rows_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the rows the split plan would take go across a
-    cluster, up to 16 slices a row (131072 elements); the other plans stay as they were."""
+    cluster, up to 16 slices of 8192 for softmax and 12 for log_softmax; the other plans stay
+    as they were."""
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
             N, log, item_size, packable, clusters=True)
         assert config(32768)["plan"] == "packed" and config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
         assert config(1000)["plan"] == "rows"
         assert config(32769) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
-        assert config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
+        assert config(98304) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
+        assert config(131072)["plan"] == ("split" if log else "cluster")
         assert config(131073)["plan"] == "split"
         assert config(FORWARD_PAST_ON_CHIP, 4)["plan"] == "cluster"
 
@@ -157,15 +159,16 @@ def cluster_device(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072])
 def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device):
-    """Rows across a thread-block cluster (2 to 16 CTAs), forward and backward: against
-    torch, with a slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the
+    """Rows across a thread-block cluster (2 to 16 CTAs), backward and (but log_softmax's at
+    131072) forward: against torch, with a slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the
     last slice masked where N is not a multiple of the slice."""
     x = torch.randn(5, N, device=cluster_device) * 3
     x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
     x[2, 1::3] = -1e4
     x = x.to(dtype)
-    assert plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_cluster_kernel", "_backward_cluster_kernel"]
+    forward = softmax_module.forward_config(N, op == "log_softmax", x.element_size(), clusters=True)["plan"]
+    assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel", "_backward_cluster_kernel"]
     x[4] = -float("inf")
     ours_fn, torch_fn = OPS[op]
     assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
