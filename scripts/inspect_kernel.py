@@ -51,7 +51,7 @@ def signature(fn):
 
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
-                 if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "ignore_index", "seq_offset",
+                 if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "WORDS", "ROUNDS", "ignore_index", "seq_offset",
                                                                    "rows_per_program", "HQ", "HK", "S", "D")}
     if "ALIGN" in signature and "ALIGN" not in constexprs:  # rows of 16-divisible length (the bench's)
         constexprs = {**constexprs, "ALIGN": 1}
@@ -85,6 +85,10 @@ def main():
         own_row = {k: v for k, v in bwd.items() if k != "LAG"}
         for log in (False, True):
             inspect(sm._backward_own_row_kernel, own_row, {"LOG": log, "BLOCK": block, "SLICES_POW2": 32}, warps)
+    for kernel, block, warps in ((sm._forward_cluster_kernel, 8192, 4), (sm._backward_cluster_kernel, 8192, 8)):
+        cluster_sig = {**signature(kernel), "WORDS": "i32", "ROUNDS": "i32"}
+        for log in (False, True):  # the cluster plans at 16 CTAs: registers (5 / 3 CTAs an SM), no fence in the loop
+            inspect(kernel, cluster_sig, {"LOG": log, "BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
     for log in (False, True):  # the packed forward: the row's words held, no spill
         inspect(sm._forward_packed_kernel, signature(sm._forward_packed_kernel),
                 {"LOG": log, "BF16": True, "BLOCK": 32768}, sm.FORWARD_PACKED[2]["num_warps"])
