@@ -172,6 +172,8 @@ def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
     offset in shared memory) and ROUNDS (rows per cluster; neither specialised), on a
     persistent grid of clusters of `cluster` CTAs covering `rows` rows. Pass WORDS=0,
     ROUNDS=1: they are set here."""
+    if not 2 <= cluster <= MAX_CLUSTER:
+        raise ValueError(f"pintail: a cluster of {cluster} CTAs; expected 2 to {MAX_CLUSTER}")
     device = args[0].device.index
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):

@@ -391,3 +391,10 @@ def test_cluster_forward_in_a_cuda_graph(cluster_device):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(y, torch.softmax(x.double(), -1), torch.softmax(x, -1))
+
+
+def test_cluster_size_checked():
+    """A cluster outside 2..16 CTAs is refused before anything is launched."""
+    for size in (1, softmax_module.cluster.MAX_CLUSTER + 1):
+        with pytest.raises(ValueError, match=f"a cluster of {size} CTAs"):
+            softmax_module.cluster.launch(None, 1, size)
