@@ -353,8 +353,8 @@ FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
 # (_forward_cluster_kernel), by log: (row length up to, slice, warps). Kernel alone, H200,
 # bf16 (scripts/exp_softmax_cluster.py, tune_softmax.py): softmax 0.88 / 0.83 / 0.85-0.86 at
 # 65536 / 98304 / 131072 with 8192 / 4 warps against the split plan's 0.79; log_softmax 0.83 /
-# 0.83 at 65536 / 98304 against 0.81 / 0.80, but 0.77 at 131072 against 0.80 (16 CTAs: not
-# understood; softmax gains there). At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) softmax 0.72
+# 0.83 at 65536 / 98304 against 0.81 / 0.80, but 0.77 at 131072 against 0.80 (likely its 104
+# registers against softmax's 96: 4 CTAs an SM, not 5). At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) softmax 0.72
 # against 0.80: longer rows keep the split plan.
 FORWARD_CLUSTER = {False: [(131072, 8192, 4)], True: [(98304, 8192, 4)]}
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):

@@ -5,7 +5,7 @@ distributed shared memory with inline PTX (mapa + st.shared::cluster into a few 
 the shared memory Triton allocated, barrier.cluster). The row is read once, its exps stay
 in registers, y is written once: one exp an element, no L2 re-read, no waiting on L2.
 
-    python scripts/exp_softmax_cluster.py            # GPU: check, then kernel alone (fraction of copy)
+    python scripts/exp_softmax_cluster.py [--form F] [--sizes N,...]  # GPU: each form checked, then timed
     python scripts/exp_softmax_cluster.py --inspect  # CPU: compiles for sm_90 (ptxas), registers
 """
 
@@ -172,8 +172,6 @@ def max_active_clusters(k, cluster, shared):
 
 
 _COMPILED = {}
-ONE_SHOT = False
-PACKED_ONLY = True  # this round: the packed variant against the library  # the one-shot cluster kernel too (one config)
 
 
 # The exchange without fences: each CTA's words arrive by st.async, which counts its bytes
@@ -346,8 +344,6 @@ def inspect():
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 16), (16384, 16, 16), (4096, 4, 16)):
         ik.inspect(_forward_cluster_packed_kernel, sig,
                    {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster}, warps)
-    if PACKED_ONLY:
-        return
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
            "SLOTS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr"}
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 8), (16384, 16, 16), (4096, 4, 8)):
@@ -363,45 +359,61 @@ def inspect():
                    {"LOG": False, "BLOCK": block, "CLUSTER": cluster, "STAGES": stages}, warps)
 
 
+def library_forward(x, log, block, warps, maxnreg=None):
+    """The library's cluster forward, launched directly (a register cap as an option)."""
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    cluster_.launch(sm._forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+    return y
+
+
+# Forms, by --form: each a list of (label, function of x, log) for the sizes given.
+FORMS = {
+    # session 15, call 3: rows one cluster at a time (the first form)
+    "one-shot": lambda N: [(f"cluster {triton.cdiv(N, b)} x {b}/{w}w one-shot", lambda x, b=b, w=w: cluster_forward(x, b, w),
+                            False) for b, w in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16))],
+    # calls 4-6: persistent clusters, fenced barrier or st.async + mbarrier, pipelined (STAGES)
+    "stages": lambda N: [(f"{name} {triton.cdiv(N, b)} x {b}/{w}w/{st} stages", lambda x, f=f, b=b, w=w, st=st: f(x, b, w, st),
+                          False)
+                         for name, f in (("mbar", cluster_mbar_forward), ("fenced", cluster_rounds_forward))
+                         for b, w, st in ((8192, 4, 1), (8192, 4, 3), (8192, 8, 3), (16384, 8, 1), (16384, 8, 3),
+                                          (16384, 16, 3))],
+    # call 9: slices held as packed words
+    "packed": lambda N: [(f"packed {triton.cdiv(N, b)} x {b}/{w}w", lambda x, b=b, w=w: cluster_packed_forward(x, b, w),
+                          False) for b, w in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))],
+    # next: log_softmax's forward held to softmax's 96 registers (104 uncapped: 4 CTAs an SM, not
+    # 5; ptxas spills nothing at 96 on the CPU machine)
+    "log-maxnreg": lambda N: [(f"library log {triton.cdiv(N, 8192)} x 8192/4w maxnreg {r}",
+                               lambda x, r=r: library_forward(x, True, 8192, 4, r), True) for r in (None, 96)],
+}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--inspect", action="store_true")
+    p.add_argument("--form", default="log-maxnreg", choices=sorted(FORMS))
+    p.add_argument("--sizes", default="65536,98304,131072")
     args = p.parse_args()
     if args.inspect:
         return inspect()
     from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(lambda device: None, sizes=(65536, 131072, 262144)):
+    for N, M, copy_bw in long_rows(lambda device: None, sizes=tuple(map(int, args.sizes.split(",")))):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
         nbytes = 2 * x.numel() * 2
-        print_fraction(f"N={N} library", lambda: sm.softmax(x), nbytes, copy_bw)
-        for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
-            cluster = triton.cdiv(N, block)
-            if cluster > 16 or cluster < 2:
+        for log in (False, True):
+            print_fraction(f"N={N} library log={log}", lambda: (sm.log_softmax if log else sm.softmax)(x), nbytes, copy_bw)
+        for label, fn, log in FORMS[args.form](N):
+            if not 2 <= triton.cdiv(N, int(label.split(" x ")[1].split("/")[0])) <= 16:
                 continue
-            label = f"N={N} packed: cluster {cluster} x {block}/{warps}w"
             try:
-                y = cluster_packed_forward(x, block, warps)
-                err = (y.float() - torch.softmax(x.float(), -1)).abs().max().item()
+                err = (fn(x).float() - (torch.log_softmax if log else torch.softmax)(x.float(), -1)).abs().max().item()
             except Exception as e:
-                print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"N={N} {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            print_fraction(f"{label} (err {err:.1e})", lambda: cluster_packed_forward(x, block, warps), nbytes, copy_bw)
-        for block, warps in ((8192, 4),) if ONE_SHOT else ():
-            cluster = triton.cdiv(N, block)
-            if cluster > 16 or cluster < 2:
-                continue
-            label = f"N={N} cluster {cluster} x {block}/{warps}w"
-            for log in (False, True):
-                try:
-                    y = cluster_forward(x, block, warps, log)
-                    ref = (torch.log_softmax if log else torch.softmax)(x.float(), -1)
-                    err = (y.float() - ref).abs().max().item()
-                except Exception as e:
-                    print(f"{label} log={log}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    break
-                print_fraction(f"{label} log={log} (err {err:.1e})", lambda: cluster_forward(x, block, warps, log),
-                               nbytes, copy_bw)
-
+            print_fraction(f"N={N} {label} (err {err:.1e})", lambda: fn(x), nbytes, copy_bw)
 
 if __name__ == "__main__":
     main()
