@@ -14,7 +14,9 @@
 #                                                  # softmax's / log_softmax's two-pass forward at 16-32 warps (steps 7, 8);
 #                                                  # RMSNorm's backward sweep with the blocks plan at 8-16 warps (step 9);
 #                                                  # softmax's forward with the row held as packed words (step 10);
-#                                                  # the norms across a thread-block cluster (step 11, session 15)
+#                                                  # the norms across a thread-block cluster (step 11, session 15);
+#                                                  # softmax's cluster forward: one block reduction a row (12),
+#                                                  # log_softmax's held to 96 registers (13), pipelined at 262144 (14)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -46,7 +48,10 @@ case $mode in
                "tune_softmax.py --directions fwd --sizes 24576,32768,49152,65536 --out /tmp"
                "tune_softmax.py --log --directions fwd --sizes 32768,65536 --out /tmp"
                "tune_norm.py --directions bwd --sizes 32768,131072,262144 --out /tmp"
-               "exp_softmax_packed.py" "exp_norm_cluster.py")
+               "exp_softmax_packed.py" "exp_norm_cluster.py"
+               "exp_softmax_cluster.py --form two-level --sizes 65536,131072"
+               "exp_softmax_cluster.py --form log-maxnreg --sizes 98304,131072"
+               "exp_softmax_cluster.py --form stages --sizes 262144")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
