@@ -8,6 +8,8 @@ a later device call: softmax's backward at 131072 went 0.84 -> 0.94 of copy that
   library's _sum_partials_kernel.
 - RMSNorm forward past 32768 (library 0.79-0.80, bar 0.90): the slice's sum of squares
   traded, y written from the registers, rstd stored by rank 0.
+- LayerNorm forward past 32768 (library 0.73, bar 0.90): exact two-pass statistics from the
+  registers, two exchanges a row (the sums, then the squared deviations from the mean).
 
     python scripts/exp_norm_cluster.py            # GPU: each form checked against the library, then timed
     python scripts/exp_norm_cluster.py --inspect  # CPU: registers (ptxas for sm_90)
@@ -99,6 +101,48 @@ def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps,
         tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, eps, x_row_stride,
+                                  y_row_stride, weight_offset, WORDS, ROUNDS, BLOCK: tl.constexpr,
+                                  CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    # Exact two-pass statistics across the cluster: two exchanges a row (exchange 2i: the
+    # slices' sums, for the mean; 2i + 1: their squared deviations from it), from registers.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # exchange pads its first values with -inf
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters
+        in_rows = row < M
+        mask = col_mask & in_rows
+        row64 = row.to(tl.int64)
+        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        sums, _, token = cluster.exchange(WORDS, 2 * i, tl.sum(x, axis=0), tl.full((), 0.0, tl.float32), token,
+                                          CLUSTER, CLUSTER_POW2)
+        mean = tl.sum(tl.where(real, sums, 0.0), axis=0) * inv_n
+        d = tl.where(mask, x - mean, 0.0)
+        _, squares, token = cluster.exchange(WORDS, 2 * i + 1, tl.full((), 0.0, tl.float32), tl.sum(d * d, axis=0),
+                                             token, CLUSTER, CLUSTER_POW2)
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) * inv_n + eps)
+        w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+        bias = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row64 * y_row_stride + cols, (d * rstd * w_eff + bias).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + row, mean, mask=in_rows & (rank == 0))
+        tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
+
+
+def layer_cluster_forward(x, w, b, block, warps, eps=1e-5):
+    M, N = x.shape
+    ctas = triton.cdiv(N, block)
+    y = torch.empty_like(x)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    cluster.launch(_layer_forward_cluster_kernel, M, ctas, x, w, b, y, mean, rstd, M, N, 1.0 / N, eps, x.stride(0),
+                   y.stride(0), 0.0, 0, 1, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas),
+                   num_warps=warps)
+    return y, mean, rstd
+
+
 def _clusters(kernel, args, kw, rows):
     """The clusters cluster.launch ran for these arguments (its cache, after a launch)."""
     device = args[0].device.index
@@ -143,6 +187,9 @@ def inspect():
     for block, warps in ((8192, 4), (8192, 8), (16384, 8)):
         ik.inspect(_rms_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
                                                       "HOLD_WEIGHT": False}, warps)
+    sig = {**ik.signature(_layer_forward_cluster_kernel), "WORDS": "i32", "ROUNDS": "i32"}
+    for block, warps in ((8192, 4), (8192, 8), (16384, 16)):
+        ik.inspect(_layer_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
 
 
 def close(ours, theirs, what):
@@ -207,6 +254,23 @@ def main():
                     print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
                 print_fraction(label, lambda: rms_cluster_forward(x, w, block, warps, hold), 2 * M * N * 2, copy_bw)
+            print_fraction(f"N={N} layer forward library", lambda: norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype),
+                           2 * M * N * 2, copy_bw)
+            want = norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
+            for block, warps in ((8192, 4), (8192, 8), (16384, 16)):
+                ctas = triton.cdiv(N, block)
+                if not 2 <= ctas <= 16:
+                    continue
+                label = f"N={N} layer forward cluster {ctas} x {block}/{warps}w"
+                try:
+                    y, mean, r = layer_cluster_forward(x, w, b, block, warps)
+                    close(y, want[0], "y")
+                    close(mean, want[2], "mean")
+                    close(r, want[3], "rstd")
+                except Exception as e:
+                    print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                print_fraction(label, lambda: layer_cluster_forward(x, w, b, block, warps), 2 * M * N * 2, copy_bw)
         del x, dy, parts, db_parts
         torch.cuda.empty_cache()
 
