@@ -14,9 +14,9 @@ Plans, picked by row length N:
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
 - cluster (forward, GPUs with thread-block clusters, rows the split plan would take up to
-  16 slices of 8192 for softmax, 12 for log_softmax): a row across the CTAs of a cluster, each slice in registers, the slices'
-  (max, sum) traded through distributed shared memory (pintail/_cluster.py); one read, one
-  write, one exp per element.
+  16 slices of 8192 for softmax, 12 for log_softmax): a row across the CTAs of a cluster,
+  each slice in registers, the slices' (max, sum) traded through distributed shared memory
+  (pintail/_cluster.py); one read, one write, one exp per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
@@ -121,8 +121,7 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
         slice_max = tl.max(x, axis=0)
         shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
         e = tl.exp2((x - shift) * LOG2E)
-        maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER,
-                                                 CLUSTER_POW2)
+        maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
         row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
         log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
         if LOG:
@@ -354,8 +353,8 @@ FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
 # bf16 (scripts/exp_softmax_cluster.py, tune_softmax.py): softmax 0.88 / 0.83 / 0.85-0.86 at
 # 65536 / 98304 / 131072 with 8192 / 4 warps against the split plan's 0.79; log_softmax 0.83 /
 # 0.83 at 65536 / 98304 against 0.81 / 0.80, but 0.77 at 131072 against 0.80 (likely its 104
-# registers against softmax's 96: 4 CTAs an SM, not 5). At 262144 (16 x 16384, 8 warps: 2 CTAs an SM) softmax 0.72
-# against 0.80: longer rows keep the split plan.
+# registers against softmax's 96: 4 CTAs an SM, not 5). At 262144 (16 x 16384, 8 warps: 2
+# CTAs an SM) softmax 0.72 against 0.80: longer rows keep the split plan.
 FORWARD_CLUSTER = {False: [(131072, 8192, 4)], True: [(98304, 8192, 4)]}
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
