@@ -382,6 +382,15 @@ def _config(N, rows_table, split):
     return split
 
 
+def _across_cluster(N, cfg, table, clusters):
+    """The cluster plan from `table` (row length up to, slice, warps) for rows `cfg` would
+    split, where the GPU runs clusters; else `cfg`."""
+    for limit, block, warps in table if cfg["plan"] == "split" and clusters else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
+    return cfg
+
+
 def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     """The forward's plan for rows of N elements of item_size bytes; packable: 16-bit rows of
     even length whose rows start 4-byte aligned (the packed plan's words); clusters: the GPU
@@ -391,17 +400,12 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
         return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
-    for limit, block, warps in FORWARD_CLUSTER[log] if cfg["plan"] == "split" and clusters else ():
-        if N <= limit:
-            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
-    return cfg
+    return _across_cluster(N, cfg, FORWARD_CLUSTER[log], clusters)
 
 
 def backward_config(N, log, clusters=False):
-    cfg = _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT)
-    for limit, block, warps in BACKWARD_CLUSTER if cfg["plan"] == "split" and clusters else ():
-        if N <= limit:
-            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
+    cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
+                          BACKWARD_CLUSTER, clusters)
     for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
         if N <= limit:
             return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
