@@ -14,16 +14,17 @@ Plans, picked by row length N:
   reads it twice, the second time from L2 (the first read asks L2 to keep it); y written
   once, two exps per element.
 - cluster (forward, GPUs with thread-block clusters, rows the split plan would take up to
-  16 slices of 8192 for softmax, 12 for log_softmax): a row across the CTAs of a cluster,
-  each slice in registers, the slices' (max, sum) traded through distributed shared memory
-  (pintail/_cluster.py); one read, one write, one exp per element.
+  262144): a row across the CTAs of a cluster, each slice in registers, the slices' (max,
+  sum) traded through distributed shared memory (pintail/_cluster.py), the next row's slice
+  loaded while they are; one read, one write, one exp per element.
 - split: N is too long for one program (pintail/_split.py: ticket-ordered slices, the
   output written `lag` rows behind the reads). Each slice publishes its (max, sum of
   exp(x - max)); the lagged write combines them into the log-sum-exp. HBM traffic: x read
   once, y written once.
-- cluster (backward, as the forward's, rows of 32769 to 131072 where the GPU has clusters):
-  a CTA holds its slice of y and dy, trades the slice's partial sum; 0.94-0.95 of copy at 131072.
-- own row (softmax backward, rows of 32769 to 524288): ticket-ordered slices too, but a
+- cluster (backward, as the forward's, rows of 32769 to 262144 where the GPU has clusters):
+  a CTA holds its slice of y and dy, trades the slice's partial sum; 0.96-0.97 of copy at
+  131072-262144.
+- own row (softmax backward, rows of 32769 to 524288 elsewhere): ticket-ordered slices too, but a
   program keeps its slice of y and dy in registers, publishes the slice's partial sum, and
   writes dx of that same slice once the row's other slices have published
   (pintail/_split.py). No L2 re-read: 0.82-0.84 of copy against the lagged plan's 0.80-0.81.
@@ -111,13 +112,19 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     # A row across the CLUSTER CTAs of a cluster (pintail/_cluster.py): CTA `rank` holds
     # slice `rank` in registers (its exps, for softmax), trades (max, sum of exp(x - max))
     # with its peers through distributed shared memory, and writes its slice of y from the
-    # registers: one read, one write, one exp an element.
+    # registers: one read, one write, one exp an element. The next row's slice is loaded
+    # before this row's exchange, so its bytes are in flight while the CTA waits on its peers
+    # and writes y (16 more bits of registers an element).
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
+    x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
+                     other=-float("inf"))
     for i in range(0, ROUNDS):
         row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
-        mask = (cols < N) & (row < M)
-        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        x = x_next.to(tl.float32)
+        next_row = row + clusters
+        x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
+                         other=-float("inf"))
         slice_max = tl.max(x, axis=0)
         shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
         e = tl.exp2((x - shift) * LOG2E)
@@ -128,7 +135,8 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
             y = (x - row_max) - log2_total * LN2
         else:
             y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
-        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=(cols < N) & (row < M))
 
 
 @triton.jit
@@ -289,14 +297,20 @@ def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_s
                              CLUSTER_POW2: tl.constexpr):
     # The forward's cluster plan for the backward: CTA `rank` holds slice `rank` of y and dy
     # (as loaded, 16-bit where they are), trades the slice's sum(dy) or sum(y * dy) with its
-    # peers and writes its slice of dx.
+    # peers and writes its slice of dx. The next row's slices are loaded before this row's
+    # exchange, as in the forward.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
+    mask = (cols < N) & (first_row < M)
+    y_next = tl.load(y_ptr + first_row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0)
+    dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
     for i in range(0, ROUNDS):
         row = (first_row + i * clusters).to(tl.int64)
-        mask = (cols < N) & (row < M)
-        y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0)
-        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
+        y_raw, dy_raw = y_next, dy_next
+        next_row = row + clusters
+        mask = (cols < N) & (next_row < M)
+        y_next = tl.load(y_ptr + next_row * y_row_stride + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask, other=0.0)
         _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), _partial(y_raw, dy_raw, LOG),
                                            token, CLUSTER, CLUSTER_POW2)
         total = tl.sum(parts, axis=0)
@@ -305,7 +319,7 @@ def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_s
             dx = dy - tl.exp2(y * LOG2E) * total
         else:
             dx = y * (dy - total)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=(cols < N) & (row < M))
 
 
 @triton.jit
@@ -350,12 +364,12 @@ FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Rows the split plan would take go across a thread-block cluster where the GPU has clusters
 # (_forward_cluster_kernel), by log: (row length up to, slice, warps). Kernel alone, H200,
-# bf16 (scripts/exp_softmax_cluster.py, tune_softmax.py): softmax 0.88 / 0.83 / 0.85-0.86 at
-# 65536 / 98304 / 131072 with 8192 / 4 warps against the split plan's 0.79; log_softmax 0.83 /
-# 0.83 at 65536 / 98304 against 0.81 / 0.80, but 0.77 at 131072 against 0.80 (likely its 104
-# registers against softmax's 96: 4 CTAs an SM, not 5). At 262144 (16 x 16384, 8 warps: 2
-# CTAs an SM) softmax 0.72 against 0.80: longer rows keep the split plan.
-FORWARD_CLUSTER = {False: [(131072, 8192, 4)], True: [(98304, 8192, 4)]}
+# bf16 (tune_softmax.py --plans cluster,split, session 16, with the next row loaded ahead):
+# softmax 0.87 / 0.87 / 0.88 at 65536 / 131072 / 262144 against the split plan's 0.79-0.80;
+# log_softmax 0.87 / 0.87 / 0.88 against 0.80-0.81. Loading ahead took 131072 from 0.86 to
+# 0.87 and 16 x 16384 / 8 warps at 262144 from 0.72 to 0.87 (8 x 32768 / 16 warps: 0.88).
+# Longer rows (not measured) keep the split plan.
+FORWARD_CLUSTER = {False: [(131072, 8192, 4), (262144, 32768, 16)], True: [(131072, 8192, 8), (262144, 32768, 16)]}
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -364,12 +378,13 @@ FORWARD_CLUSTER = {False: [(131072, 8192, 4)], True: [(98304, 8192, 4)]}
 # - log_softmax: the lagged plan. Its new slice needs dy alone (the partial is sum(dy)), so
 #   only dy is re-read from L2: 0.90-0.91 at 131072-262144, against own row's 0.81-0.84.
 BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
-# - Up to 16 slices of 8192, either op: across a thread-block cluster where the GPU has them
-#   (_backward_cluster_kernel), (row length up to, slice, warps): 0.94 / 0.95 for softmax /
-#   log_softmax at 131072 (bf16, kernel alone), against own row's 0.84 and the lagged plan's
-#   0.90. At 262144, 16 slices of 16384 (16 warps, one CTA an SM) gave 0.78 / 0.80, below own
-#   row's 0.82 and the lagged plan's 0.90: those keep longer rows.
-BACKWARD_CLUSTER = [(131072, 8192, 8)]
+# - Up to 262144, either op: across a thread-block cluster where the GPU has them
+#   (_backward_cluster_kernel), (row length up to, slice, warps). Kernel alone, bf16, with the
+#   next row loaded ahead (session 16): softmax / log_softmax 0.96 / 0.96 at 65536, 0.97 /
+#   0.97 at 131072 and 262144 (16384 / 16 warps), against own row's 0.82 and the lagged
+#   plan's 0.90-0.91. Without loading ahead 16 x 16384 gave 0.78 at 262144. Longer rows (not
+#   measured) keep the plans above.
+BACKWARD_CLUSTER = [(65536, 8192, 8), (262144, 16384, 16)]
 BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
 

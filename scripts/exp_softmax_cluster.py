@@ -339,6 +339,10 @@ def cluster_forward(x, block, warps, log=False):
 
 def inspect():
     ik = importlib.import_module("inspect_kernel")
+    sig = ik.signature(_forward_cluster_prefetch_kernel)
+    sig["WORDS"] = sig["ROUNDS"] = "i32"
+    for block, warps in ((8192, 4), (8192, 8), (4096, 4), (16384, 8)):
+        ik.inspect(_forward_cluster_prefetch_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
     sig = ik.signature(_forward_cluster_packed_kernel)
     sig["WORDS"] = sig["ROUNDS"] = sig["zero"] = "i32"
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 16), (16384, 16, 16), (4096, 4, 16)):
@@ -404,6 +408,43 @@ def two_level_forward(x, block, warps, piece=64, maxnreg=None):
     return y
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_cluster_prefetch_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS,
+                                     BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    # The library's cluster forward with the next row's slice loaded before this row's
+    # exchange: its bytes are in flight while the CTA waits on its peers and writes y, at the
+    # cost of the raw slice in registers (16 bits an element).
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
+                     other=-float("inf"))
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters
+        mask = (cols < N) & (row < M)
+        x = x_next.to(tl.float32)
+        next_row = row + clusters
+        x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
+                         other=-float("inf"))
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+        e = tl.exp2((x - shift) * LOG2E)
+        maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def prefetch_forward(x, block, warps, maxnreg=None):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    cluster_.launch(_forward_cluster_prefetch_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1,
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+    return y
+
+
 def library_forward(x, log, block, warps, maxnreg=None):
     """The library's cluster forward, launched directly (a register cap as an option)."""
     M, N = x.shape
@@ -439,6 +480,12 @@ FORMS = {
     # 5; ptxas spills nothing at 96 on the CPU machine)
     "log-maxnreg": lambda N: [(f"library log {triton.cdiv(N, 8192)} x 8192/4w maxnreg {r}",
                                lambda x, r=r: library_forward(x, True, 8192, 4, r), True) for r in (None, 96)],
+    # session 16: the next row's slice loaded before this row's exchange (registers on the CPU
+    # machine: see --inspect)
+    "prefetch": lambda N: [(f"prefetch {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}",
+                            lambda x, b=b, w=w, r=r: prefetch_forward(x, b, w, r), False)
+                           for b, w, r in ((8192, 4, None), (8192, 4, 128), (8192, 8, None), (4096, 4, None),
+                                           (4096, 8, None), (16384, 8, None), (16384, 16, None))],
 }
 
 

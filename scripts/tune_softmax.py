@@ -42,7 +42,8 @@ def configs(N, direction):
     if N >= 16384:
         # across a thread-block cluster (2-16 CTAs a row): (slice, warps)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps} for block, warps in
-                ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)) if 2 <= -(-N // block) <= 16]
+                ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16), (16384, 32), (32768, 16))
+                if 2 <= -(-N // block) <= 16]
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):

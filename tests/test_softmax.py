@@ -112,17 +112,17 @@ def test_long_rows_forward_plans():
 
 def test_long_rows_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the rows the split plan would take go across a
-    cluster, up to 16 slices of 8192 for softmax and 12 for log_softmax; the other plans stay
-    as they were."""
+    cluster up to 262144 (slices of 8192 up to 131072, of 32768 past it); the other plans
+    stay as they were."""
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
             N, log, item_size, packable, clusters=True)
         assert config(32768)["plan"] == "packed" and config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
         assert config(1000)["plan"] == "rows"
-        assert config(32769) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
-        assert config(98304) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
-        assert config(131072)["plan"] == ("split" if log else "cluster")
-        assert config(131073)["plan"] == "split"
+        assert config(32769) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8 if log else 4}
+        assert config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8 if log else 4}
+        assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16}
+        assert config(262145)["plan"] == "split"
         assert config(FORWARD_PAST_ON_CHIP, 4)["plan"] == "cluster"
 
 
@@ -157,11 +157,11 @@ def cluster_device(device):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072])
+@pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072, 200003, 262144])
 def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device):
-    """Rows across a thread-block cluster (2 to 16 CTAs), backward and (but log_softmax's at
-    131072) forward: against torch, with a slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the
-    last slice masked where N is not a multiple of the slice."""
+    """Rows across a thread-block cluster (2 to 16 CTAs, slices of 8192 to 32768), forward and
+    backward: against torch, with a slice of -inf entries, extreme values, a row of -inf (NaN,
+    as torch); the last slice masked where N is not a multiple of the slice."""
     x = torch.randn(5, N, device=cluster_device) * 3
     x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
@@ -175,12 +175,14 @@ def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device)
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_cluster_plans_over_many_rounds(op, monkeypatch, cluster_device):
+@pytest.mark.parametrize("M, N", [(3000, 39993), (300, 200003)])
+def test_cluster_plans_over_many_rounds(op, M, N, monkeypatch, cluster_device):
     """More rows than clusters fit, so each cluster takes many rows in turn (its exchange
-    buffers alternate, its mbarriers' phases wrap); rows of a strided view."""
-    wide = torch.randn(3000, 40000, device=cluster_device, dtype=torch.bfloat16) * 2
-    x = wide[:, 5:40000 - 2].requires_grad_()  # 39993 elements a row, rows 40000 apart, 10 bytes in
-    dy = torch.randn(3000, 40000, device=cluster_device, dtype=torch.bfloat16)[:, :39993]
+    buffers alternate, its mbarriers' phases wrap, the next row's slice is loaded ahead and
+    the last round's is masked); rows of a strided view, 10 bytes into each row."""
+    wide = torch.randn(M, N + 7, device=cluster_device, dtype=torch.bfloat16) * 2
+    x = wide[:, 5:N + 5].requires_grad_()
+    dy = torch.randn(M, N + 7, device=cluster_device, dtype=torch.bfloat16)[:, :N]
     ours_fn, torch_fn = OPS[op]
 
     def forward_and_backward():
@@ -251,14 +253,15 @@ def test_long_rows_backward_plans():
 
 
 def test_long_rows_backward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, rows past the rows plan up to 16 slices of
-    8192 go across a cluster, for either op; longer rows keep their plans."""
+    """Where the GPU has thread-block clusters, rows past the rows plan up to 262144 go across
+    a cluster (slices of 8192 up to 65536, of 16384 past it), for either op; longer rows keep
+    their plans."""
     for log in (False, True):
-        assert softmax_module.backward_config(32768, log, clusters=True)["plan"] == "rows"
-        assert softmax_module.backward_config(PAST_ON_CHIP, log, clusters=True) == \
-            {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
-        assert softmax_module.backward_config(131072, log, clusters=True)["plan"] == "cluster"
-        assert softmax_module.backward_config(131073, log, clusters=True) == softmax_module.backward_config(131073, log)
+        config = lambda N: softmax_module.backward_config(N, log, clusters=True)
+        assert config(32768)["plan"] == "rows"
+        assert config(PAST_ON_CHIP) == config(65536) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
+        assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16}
+        assert config(262145) == softmax_module.backward_config(262145, log)
 
 
 @pytest.mark.parametrize("op", OPS)
