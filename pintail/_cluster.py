@@ -8,12 +8,13 @@ one CTA and launched with a cluster dimension: the launcher takes the cluster si
 compiled kernel's packed metadata (num_warps, num_ctas, shared bytes), which `launch`
 rewrites. A CTA's rank in its cluster is then its program id modulo the cluster size. The
 exchange is inline PTX on a few words past the shared memory Triton allocated (its base is
-the module's `global_smem`): two mbarriers and two buffers of one 8-byte word per CTA,
-rows alternating between them. Each CTA sends its word to every peer with st.async, whose
+the module's `global_smem`): BUFFERS mbarriers and BUFFERS buffers of one 8-byte word per
+CTA, rows taking them in turn. Each CTA sends its word to every peer with st.async, whose
 bytes count on the peer's mbarrier (complete_tx), and waits until its own mbarrier has
-counted CLUSTER words: no fences, no polling of L2. A peer can run one row ahead (its next
-word lands in the other buffer) but not two: its send for the row after next waits on this
-CTA's word for the next row, sent after this CTA has read the current one.
+counted CLUSTER words: no fences, no polling of L2. A kernel may send row i + 1 before it
+receives row i (`send`, then `receive`). A peer's send of row j then waits only on this
+CTA's send of row j - 1, after which this CTA may still hold rows j - 2 and j - 1 unread:
+three rows in flight at most, so four buffers never overwrite a word before it is read.
 
 The grid is persistent (as many clusters as fit at once, from cuOccupancyMaxActiveClusters):
 cluster c takes rows c, c + clusters, ... Nothing waits across clusters, and the CTAs of a
@@ -29,9 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TRITON_3_6
+from ._launch import INTERPRET, TRITON_3_6, compiled_for
 
 MAX_CLUSTER = 16  # 8 is the portable limit; the H100 / H200 allow 16 on request
+WORD_BUFFERS = 4  # buffers of words, and mbarriers: rows in flight (the module's docstring)
+BUFFERS: tl.constexpr = tl.constexpr(WORD_BUFFERS)
+# thread 0 initialises every mbarrier (one arrival a phase) at $1 past global_smem
+_INIT_BARRIERS: tl.constexpr = tl.constexpr(
+    "{\n.reg .b32 t, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+    "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+    + "".join(f"@p mbarrier.init.shared::cta.b64 [b+{8 * k}], 1;\n" for k in range(WORD_BUFFERS))
+    + "@p fence.mbarrier_init.release.cluster;\nmov.b32 $0, $2;\n}")
 
 
 def available(device: torch.device) -> bool:
@@ -46,8 +55,8 @@ def _has_clusters(device_index) -> bool:
 
 
 def words_bytes(cluster: int) -> int:
-    """Shared memory the exchange needs past Triton's: two mbarriers, two buffers of words."""
-    return 16 + 16 * cluster
+    """Shared memory the exchange needs past Triton's: the mbarriers and buffers of words."""
+    return WORD_BUFFERS * 8 * (1 + cluster)
 
 
 # ------------------------------------------------------------------------ device side
@@ -64,15 +73,10 @@ def _cluster_sync(token):
 @triton.jit
 def start(WORDS, CLUSTER: tl.constexpr):
     """(rank in the cluster, cluster index, clusters in the grid, a token for ordering):
-    thread 0 initialises the two mbarriers (one arrival a phase: its own expect_tx), then
-    the whole cluster syncs, so no word is sent to a barrier not yet initialised."""
+    thread 0 initialises the mbarriers (one arrival a phase: its own expect_tx), then the
+    whole cluster syncs, so no word is sent to a barrier not yet initialised."""
     cta = tl.program_id(0)
-    token = tl.inline_asm_elementwise(
-        "{\n.reg .b32 t, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
-        "@p mbarrier.init.shared::cta.b64 [b], 1;\n@p mbarrier.init.shared::cta.b64 [b+8], 1;\n"
-        "@p fence.mbarrier_init.release.cluster;\nmov.b32 $0, $2;\n}",
-        "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
+    token = tl.inline_asm_elementwise(_INIT_BARRIERS, "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
     token = _cluster_sync(token)
     return cta % CLUSTER, cta // CLUSTER, tl.num_programs(0) // CLUSTER, token
 
@@ -80,11 +84,16 @@ def start(WORDS, CLUSTER: tl.constexpr):
 @triton.jit
 def exchange(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
     """Row i of this cluster: send (hi, lo) (two float32) to every CTA of the cluster and
-    return every CTA's pair, in rank order, once all have arrived, with a new token. The
-    pairs come as CLUSTER_POW2 (a power of 2, at least CLUSTER) entries, the last ones
-    (-inf, 0)."""
-    bar = WORDS + (i % 2) * 8 + token * 0
-    words = WORDS + 16 + (i % 2) * (CLUSTER * 8)
+    return every CTA's pair (`receive`) once all have arrived."""
+    token = send(WORDS, i, hi, lo, token, CLUSTER)
+    return receive(WORDS, i, token, CLUSTER, CLUSTER_POW2)
+
+
+@triton.jit
+def send(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr):
+    """Send row i's (hi, lo) (two float32) to every CTA of the cluster; a new token."""
+    bar = WORDS + (i % BUFFERS) * 8 + token * 0
+    words = WORDS + BUFFERS * 8 + (i % BUFFERS) * (CLUSTER * 8)
     rank = tl.program_id(0) % CLUSTER
     # thread 0 arrives, expecting CLUSTER words (they may land before it: the phase waits for both)
     token = tl.inline_asm_elementwise(
@@ -93,7 +102,7 @@ def exchange(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.co
         "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
         "=r,r,r,r", [bar, CLUSTER * 8, token], dtype=tl.int32, is_pure=False, pack=1)
     # thread t < CLUSTER sends this CTA's word to slot `rank` of peer t, counted on peer t's barrier
-    token = tl.inline_asm_elementwise(
+    return tl.inline_asm_elementwise(
         "{\n.reg .b32 t, s, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.lt.u32 p, t, $5;\n"
         "mov.u32 s, global_smem;\nadd.u32 s, s, $1;\nmov.u32 b, global_smem;\nadd.u32 b, b, $2;\n"
         "@p mapa.shared::cluster.u32 s, s, t;\n@p mapa.shared::cluster.u32 b, b, t;\n"
@@ -101,12 +110,21 @@ def exchange(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.co
         "mov.b32 $0, $6;\n}",
         "=r,r,r,f,f,r,r", [words + rank * 8 + token * 0, bar, hi, lo, CLUSTER, token],
         dtype=tl.int32, is_pure=False, pack=1)
-    # wait for the phase of row i (rows i and i + 2 share a barrier: parity (i // 2) % 2); the
-    # spin stays inside the asm, as a Triton loop around it would keep Triton's pipeliner off
+
+
+@triton.jit
+def receive(WORDS, i, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    """Every CTA's pair of row i, in rank order, once all have arrived, with a new token. The
+    pairs come as CLUSTER_POW2 (a power of 2, at least CLUSTER) entries, the last ones
+    (-inf, 0)."""
+    bar = WORDS + (i % BUFFERS) * 8 + token * 0
+    words = WORDS + BUFFERS * 8 + (i % BUFFERS) * (CLUSTER * 8)
+    # wait for the phase of row i (rows i and i + BUFFERS share a barrier); the spin stays
+    # inside the asm, as a Triton loop around it would keep Triton's pipeliner off
     token = tl.inline_asm_elementwise(
         "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, (i // 2) % 2, token], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,r,r,r", [bar, (i // BUFFERS) % 2, token], dtype=tl.int32, is_pure=False, pack=1)
     peers = tl.arange(0, CLUSTER_POW2)
     his, los = tl.inline_asm_elementwise(
         "{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $2;\nld.shared.v2.f32 {$0, $1}, [a];\n}",
@@ -162,11 +180,6 @@ def _clusters_that_fit(function: int, num_warps: int, cluster: int, shared: int)
     return fits.value
 
 
-# Per (kernel, device, specialisation, options): the compiled kernel, the exchange's offset
-# in shared memory, the packed metadata to launch with, and the clusters that fit.
-_PREPARED = {}
-
-
 def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
     """Launch `kernel`, whose last two runtime arguments are named WORDS (the exchange's
     offset in shared memory) and ROUNDS (rows per cluster; neither specialised), on a
@@ -178,21 +191,17 @@ def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
             return launch(kernel, rows, cluster, *args, **kwargs)
-    bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
-    key = (kernel, device, tuple(specialisation), tuple(options.items()))
-    prepared = _PREPARED.get(key)
-    if prepared is None:
-        compiled = kernel.warmup(*args, grid=(cluster,), **kwargs)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        compiled._init_handles()
+
+    def prepare(compiled):
+        # the exchange's words go past Triton's shared memory, 16-byte aligned
         words = -(-compiled.metadata.shared // 16) * 16
         shared = words + words_bytes(cluster)
         fits = _clusters_that_fit(compiled.function, compiled.metadata.num_warps, cluster, shared)
         if fits < 1:
             raise RuntimeError(f"pintail: no cluster of {cluster} CTAs of {kernel.__name__} fits on this GPU")
-        prepared = (compiled, words, (compiled.metadata.num_warps, cluster, shared), fits)
-        _PREPARED[key] = prepared
-    compiled, words, packed, fits = prepared
+        return compiled, words, (compiled.metadata.num_warps, cluster, shared), fits
+
+    bound, (compiled, words, packed, fits) = compiled_for(kernel, device, (cluster,), args, kwargs, prepare)
     clusters = min(fits, rows)
     bound["WORDS"], bound["ROUNDS"] = words, -(-rows // clusters)
     # the launcher launches clusters x cluster CTAs, in clusters of packed[1]

@@ -69,7 +69,8 @@ def whole_tiles(M: int, N: int, cfg: dict) -> bool:
     return N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0
 
 
-# Compiled kernels by (kernel, device, specialisation, launch options): see launch().
+# Compiled kernels, prepared for launch, by (kernel, device, specialisation, launch
+# options): see compiled_for().
 _COMPILED = {}
 TRITON_3_6 = triton.__version__.startswith("3.6.")
 
@@ -80,12 +81,10 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     Triton's own launch re-reads its settings from the environment, checks the kernel's
     globals and looks up the device and stream through its driver on every call. On the
     H200 machine (scripts/exp_host_gaps.py) that took 29-36 us a launch, this function 23 us,
-    and the compiled kernel's launcher alone 7-10 us. The rest is Triton's binder, kept
-    because it computes the specialisation (dtypes, 16-byte alignment, integers equal to 1
-    or divisible by 16), so that a cached kernel is only reused where Triton would reuse
-    it. Launch hooks (knobs.runtime.launch_enter_hook) are not called. The interpreter
-    takes the ordinary path, and so does a Triton other than 3.6, whose internals this is
-    written against.
+    and the compiled kernel's launcher alone 7-10 us. The rest is Triton's binder (see
+    compiled_for). Launch hooks (knobs.runtime.launch_enter_hook) are not called. The
+    interpreter takes the ordinary path, and so does a Triton other than 3.6, whose
+    internals this is written against.
 
     The kernel runs on the GPU of its first argument (a tensor, for every kernel here), made
     the current device for the launch where it is not: Triton compiles and launches for the
@@ -101,17 +100,28 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not TRITON_3_6:
         kernel[grid](*args, **kwargs)
         return
-    bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
-    key = (kernel, device, tuple(specialisation), tuple(options.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        compiled._init_handles()
-        _COMPILED[key] = compiled
+    bound, compiled = compiled_for(kernel, device, grid, args, kwargs)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *bound.values())
+
+
+def compiled_for(kernel, device: int, grid: tuple, args: tuple, kwargs: dict, prepare=None):
+    """(the call's bound arguments, the kernel compiled for its specialisation) on Triton
+    3.6, for a launch through the compiled kernel's `run`. Triton's binder computes the
+    specialisation (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16), so
+    a compiled kernel is reused only where Triton would reuse it. The first call of a
+    specialisation compiles it (for `grid`), loads it onto the device and keeps
+    prepare(compiled) (the compiled kernel where prepare is None), which later calls return."""
+    bound, specialisation, options = kernel.device_caches[device][4](*args, **kwargs)
+    key = (kernel, device, tuple(specialisation), tuple(options.items()))
+    prepared = _COMPILED.get(key)
+    if prepared is None:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()
+        prepared = _COMPILED[key] = prepare(compiled) if prepare else compiled
+    return bound, prepared
 
 
 def runs_kernels(t: torch.Tensor) -> bool:

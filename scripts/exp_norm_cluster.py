@@ -24,6 +24,7 @@ import triton.language as tl
 
 norm = importlib.import_module("pintail.norm")
 cluster = importlib.import_module("pintail._cluster")
+launch_ = importlib.import_module("pintail._launch")
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
@@ -144,10 +145,9 @@ def layer_cluster_forward(x, w, b, block, warps, eps=1e-5):
 
 
 def _clusters(kernel, args, kw, rows):
-    """The clusters cluster.launch ran for these arguments (its cache, after a launch)."""
-    device = args[0].device.index
-    bound, specialisation, options = kernel.device_caches[device][4](*args, **kw)
-    return min(cluster._PREPARED[(kernel, device, tuple(specialisation), tuple(options.items()))][3], rows)
+    """The clusters cluster.launch ran for these arguments (from the launch cache, after a launch)."""
+    _, (_, _, _, fits) = launch_.compiled_for(kernel, args[0].device.index, None, args, kw)
+    return min(fits, rows)
 
 
 def cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts, hold=False):

@@ -445,6 +445,59 @@ def prefetch_forward(x, block, warps, maxnreg=None):
     return y
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_cluster_lagged_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, LOG: tl.constexpr,
+                                   BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    # Rows in a pipeline of three: in round i the CTA sends row i + 1's (max, sum) before it
+    # waits for row i's, so the exchange's wait is hidden behind a row of work, and loads row
+    # i + 2. It holds three raw slices (rows i .. i + 2, 16 bits an element each) and writes
+    # y from the raw slice: two exps an element for softmax.
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    x_held = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
+                     other=-float("inf"))
+    row = first_row + clusters
+    x_ahead = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (row < M),
+                      other=-float("inf"))
+    x = x_held.to(tl.float32)
+    slice_max = tl.max(x, axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+    token = cluster_.send(WORDS, 0, slice_max, tl.sum(tl.exp2((x - shift) * LOG2E), axis=0), token, CLUSTER)
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters
+        x_next = x_ahead
+        ahead = row + 2 * clusters
+        x_ahead = tl.load(x_ptr + ahead.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (ahead < M),
+                          other=-float("inf"))
+        if i + 1 < ROUNDS:
+            x = x_next.to(tl.float32)
+            slice_max = tl.max(x, axis=0)
+            shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+            token = cluster_.send(WORDS, i + 1, slice_max, tl.sum(tl.exp2((x - shift) * LOG2E), axis=0), token,
+                                  CLUSTER)
+        maxes, sums, token = cluster_.receive(WORDS, i, token, CLUSTER, CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        x = x_held.to(tl.float32)
+        if LOG:
+            y = (x - row_max) - log2_total * LN2
+        else:
+            y = tl.exp2((x - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=(cols < N) & (row < M))
+        x_held = x_next
+
+
+def lagged_forward(x, block, warps, log=False, maxnreg=None):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    cluster_.launch(_forward_cluster_lagged_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+    return y
+
+
 def library_forward(x, log, block, warps, maxnreg=None):
     """The library's cluster forward, launched directly (a register cap as an option)."""
     M, N = x.shape
@@ -486,6 +539,12 @@ FORMS = {
                             lambda x, b=b, w=w, r=r: prefetch_forward(x, b, w, r), False)
                            for b, w, r in ((8192, 4, None), (8192, 4, 128), (8192, 8, None), (4096, 4, None),
                                            (4096, 8, None), (16384, 8, None), (16384, 16, None))],
+    # session 16: rows in a pipeline of three, the exchange's wait behind a row of work
+    "lagged": lambda N: [(f"lagged {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}" + (" log" if log else ""),
+                          lambda x, b=b, w=w, r=r, log=log: lagged_forward(x, b, w, log, r), log)
+                         for log in (False, True)
+                         for b, w, r in ((8192, 4, None), (8192, 4, 128), (8192, 8, None), (4096, 4, None),
+                                         (16384, 8, None), (16384, 16, None), (32768, 16, None))],
 }
 
 
