@@ -370,6 +370,10 @@ FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
 # 0.87 and 16 x 16384 / 8 warps at 262144 from 0.72 to 0.87 (8 x 32768 / 16 warps: 0.88).
 # Longer rows (not measured) keep the split plan.
 FORWARD_CLUSTER = {False: [(131072, 8192, 4), (262144, 32768, 16)], True: [(131072, 8192, 8), (262144, 32768, 16)]}
+# float32 rows, either op: those slices would spill (32768 / 16 warps: 664 bytes of stack a
+# thread, sm_90). Picked by registers, not timed: 100-107 at 8192 / 8 warps, 102-105 at
+# 16384 / 16 warps, the same bytes a CTA as the 16-bit plans'.
+FORWARD_CLUSTER_FP32 = [(131072, 8192, 8), (262144, 16384, 16)]
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -385,6 +389,10 @@ BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
 #   plan's 0.90-0.91. Without loading ahead 16 x 16384 gave 0.78 at 262144. Longer rows (not
 #   measured) keep the plans above.
 BACKWARD_CLUSTER = [(65536, 8192, 8), (262144, 16384, 16)]
+# float32 rows: 16384 / 16 warps would spill, and 8192 / 8 warps takes 166-168 registers;
+# 8192 / 16 warps takes 95-96 (sm_90). Picked by registers, not timed; longer rows keep the
+# plans above.
+BACKWARD_CLUSTER_FP32 = [(131072, 8192, 16)]
 BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
 
@@ -415,12 +423,12 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
         return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
-    return _across_cluster(N, cfg, FORWARD_CLUSTER[log], clusters)
+    return _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER[log], clusters)
 
 
-def backward_config(N, log, clusters=False):
+def backward_config(N, log, item_size=2, clusters=False):
     cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
-                          BACKWARD_CLUSTER, clusters)
+                          BACKWARD_CLUSTER_FP32 if item_size == 4 else BACKWARD_CLUSTER, clusters)
     for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
         if N <= limit:
             return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
@@ -458,7 +466,7 @@ def launch_forward(x, y, log, config=None):
 def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
-    cfg = config or backward_config(N, log, cluster.available(y.device))
+    cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,

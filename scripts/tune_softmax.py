@@ -73,7 +73,7 @@ def main():
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
             default = sm.forward_config(N, args.log, 2, packable=True, clusters=True) if direction == "fwd" \
-                else sm.backward_config(N, args.log, clusters=True)
+                else sm.backward_config(N, args.log, 2, clusters=True)
             nbytes = (2 if direction == "fwd" else 3) * M * N * 2
             plans = [default] if args.default_only else configs(N, direction)
             plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]

@@ -123,7 +123,9 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8 if log else 4}
         assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16}
         assert config(262145)["plan"] == "split"
-        assert config(FORWARD_PAST_ON_CHIP, 4)["plan"] == "cluster"
+        # float32: slices that do not spill
+        assert config(FORWARD_PAST_ON_CHIP, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
+        assert config(262144, 4) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16}
 
 
 def forward_plans_run(monkeypatch, fn):
@@ -160,15 +162,19 @@ def cluster_device(device):
 @pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072, 200003, 262144])
 def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device):
     """Rows across a thread-block cluster (2 to 16 CTAs, slices of 8192 to 32768), forward and
-    backward: against torch, with a slice of -inf entries, extreme values, a row of -inf (NaN,
-    as torch); the last slice masked where N is not a multiple of the slice."""
+    backward (float32's past 131072 takes the own-row or lagged plan): against torch, with a
+    slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the last slice
+    masked where N is not a multiple of the slice."""
     x = torch.randn(5, N, device=cluster_device) * 3
     x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
     x[2, 1::3] = -1e4
     x = x.to(dtype)
-    forward = softmax_module.forward_config(N, op == "log_softmax", x.element_size(), clusters=True)["plan"]
-    assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel", "_backward_cluster_kernel"]
+    log = op == "log_softmax"
+    forward = softmax_module.forward_config(N, log, x.element_size(), clusters=True)["plan"]
+    backward = softmax_module.backward_config(N, log, x.element_size(), clusters=True)["plan"]
+    assert forward == "cluster" and (backward == "cluster" or dtype == torch.float32 and N > 131072)
+    assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel", f"_backward_{backward}_kernel"]
     x[4] = -float("inf")
     ours_fn, torch_fn = OPS[op]
     assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
@@ -257,11 +263,14 @@ def test_long_rows_backward_plans_with_clusters():
     a cluster (slices of 8192 up to 65536, of 16384 past it), for either op; longer rows keep
     their plans."""
     for log in (False, True):
-        config = lambda N: softmax_module.backward_config(N, log, clusters=True)
+        config = lambda N, item_size=2: softmax_module.backward_config(N, log, item_size, clusters=True)
         assert config(32768)["plan"] == "rows"
         assert config(PAST_ON_CHIP) == config(65536) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
         assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16}
         assert config(262145) == softmax_module.backward_config(262145, log)
+        # float32: slices that do not spill, up to 131072
+        assert config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 16}
+        assert config(131073, 4) == softmax_module.backward_config(131073, log, 4)
 
 
 @pytest.mark.parametrize("op", OPS)
