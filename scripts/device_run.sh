@@ -14,7 +14,8 @@
 #                                                  # softmax's / log_softmax's two-pass forward at 16-32 warps (steps 7, 8);
 #                                                  # RMSNorm's backward sweep with the blocks plan at 8-16 warps (step 9);
 #                                                  # softmax's forward with the row held as packed words (step 10);
-#                                                  # the norms across a thread-block cluster (step 11, session 15);
+#                                                  # the norms across a thread-block cluster, with and without the next
+#                                                  # row loaded ahead (step 11, sessions 15-16);
 #                                                  # softmax's cluster forward: one block reduction a row (12),
 #                                                  # log_softmax's held to 96 registers (13), pipelined at 262144 (14)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,

@@ -11,7 +11,11 @@ a later device call: softmax's backward at 131072 went 0.84 -> 0.94 of copy that
 - LayerNorm forward past 32768 (library 0.73, bar 0.90): exact two-pass statistics from the
   registers, two exchanges a row (the sums, then the squared deviations from the mean).
 
-    python scripts/exp_norm_cluster.py            # GPU: each form checked against the library, then timed
+Session 16 measured these (docs/perf-notes.md) and added AHEAD: each kernel issues the loads
+of its next row's slice before this row's reductions and exchange, as softmax's cluster
+kernels do since (their backward at 262144: 0.78 -> 0.97).
+
+    python scripts/exp_norm_cluster.py [--ahead 0,1] [--sizes ...]  # GPU: each form checked, then timed
     python scripts/exp_norm_cluster.py --inspect  # CPU: registers (ptxas for sm_90)
 """
 
@@ -31,11 +35,17 @@ launch_ = importlib.import_module("pintail._launch")
 def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                              x_row_stride, dy_row_stride, dx_row_stride, weight_offset, WORDS, ROUNDS,
                              RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                             CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr):
-    # HOLD_WEIGHT: the weight's slice in registers for all rows, else re-read each row (L1 / L2)
+                             CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr,
+                             AHEAD: tl.constexpr):
+    # HOLD_WEIGHT: the weight's slice in registers for all rows, else re-read each row (L1 / L2);
+    # AHEAD: the next row's x and dy loaded before this row's exchange
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
+    if AHEAD:
+        mask = col_mask & (first_row < M)
+        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
     if HOLD_WEIGHT:
         w_held = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     dw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -46,8 +56,15 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, d
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if AHEAD:
+            x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
+            ahead = row64 + clusters
+            ahead_mask = col_mask & (ahead < M)
+            x_next = tl.load(x_ptr + ahead * x_row_stride + cols, mask=ahead_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + ahead * dy_row_stride + cols, mask=ahead_mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
         if HOLD_WEIGHT:
             w_eff = w_held
@@ -79,18 +96,26 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, d
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps, x_row_stride, y_row_stride,
                                 weight_offset, WORDS, ROUNDS, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                                CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr):
+                                CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr, AHEAD: tl.constexpr):
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
     if HOLD_WEIGHT:
         w_held = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+    if AHEAD:
+        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=col_mask & (first_row < M),
+                         other=0.0)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if AHEAD:
+            x = x_next.to(tl.float32)
+            x_next = tl.load(x_ptr + (row64 + clusters) * x_row_stride + cols,
+                             mask=col_mask & (row64 + clusters < M), other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0), token,
                                              CLUSTER, CLUSTER_POW2)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) * inv_n + eps)
@@ -105,19 +130,27 @@ def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps,
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, eps, x_row_stride,
                                   y_row_stride, weight_offset, WORDS, ROUNDS, BLOCK: tl.constexpr,
-                                  CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+                                  CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr):
     # Exact two-pass statistics across the cluster: two exchanges a row (exchange 2i: the
     # slices' sums, for the mean; 2i + 1: their squared deviations from it), from registers.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
     real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # exchange pads its first values with -inf
+    if AHEAD:
+        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=col_mask & (first_row < M),
+                         other=0.0)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if AHEAD:
+            x = x_next.to(tl.float32)
+            x_next = tl.load(x_ptr + (row64 + clusters) * x_row_stride + cols,
+                             mask=col_mask & (row64 + clusters < M), other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         sums, _, token = cluster.exchange(WORDS, 2 * i, tl.sum(x, axis=0), tl.full((), 0.0, tl.float32), token,
                                           CLUSTER, CLUSTER_POW2)
         mean = tl.sum(tl.where(real, sums, 0.0), axis=0) * inv_n
@@ -132,7 +165,7 @@ def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr
         tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
 
 
-def layer_cluster_forward(x, w, b, block, warps, eps=1e-5):
+def layer_cluster_forward(x, w, b, block, warps, ahead=False, eps=1e-5):
     M, N = x.shape
     ctas = triton.cdiv(N, block)
     y = torch.empty_like(x)
@@ -140,7 +173,7 @@ def layer_cluster_forward(x, w, b, block, warps, eps=1e-5):
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     cluster.launch(_layer_forward_cluster_kernel, M, ctas, x, w, b, y, mean, rstd, M, N, 1.0 / N, eps, x.stride(0),
                    y.stride(0), 0.0, 0, 1, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas),
-                   num_warps=warps)
+                   AHEAD=ahead, num_warps=warps)
     return y, mean, rstd
 
 
@@ -150,14 +183,14 @@ def _clusters(kernel, args, kw, rows):
     return min(fits, rows)
 
 
-def cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts, hold=False):
+def cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts, hold=False, ahead=False):
     M, N = x.shape
     ctas = triton.cdiv(N, block)
     dx = torch.empty_like(x)
     args = (x, w, dy, mean if mean.numel() else rstd, rstd, dx, parts, db_parts, M, N, 1.0 / N, x.stride(0),
             dy.stride(0), dx.stride(0), 0.0, 0, 1)
     kw = dict(RMS=rms, HAS_BIAS=bias is not None, BLOCK=block, CLUSTER=ctas,
-              CLUSTER_POW2=triton.next_power_of_2(ctas), HOLD_WEIGHT=hold, num_warps=warps)
+              CLUSTER_POW2=triton.next_power_of_2(ctas), HOLD_WEIGHT=hold, AHEAD=ahead, num_warps=warps)
     cluster.launch(_backward_cluster_kernel, M, ctas, *args, **kw)
     used = _clusters(_backward_cluster_kernel, args, kw, M)
     dw, db = norm._sum_partials(parts[:used], db_parts[:used] if bias is not None else None, torch.float32,
@@ -165,31 +198,48 @@ def cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_pa
     return dx, dw, db
 
 
-def rms_cluster_forward(x, w, block, warps, hold=False, eps=1e-5):
+def rms_cluster_forward(x, w, block, warps, hold=False, ahead=False, eps=1e-5):
     M, N = x.shape
     ctas = triton.cdiv(N, block)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     cluster.launch(_rms_forward_cluster_kernel, M, ctas, x, w, y, rstd, M, N, 1.0 / N, eps, x.stride(0), y.stride(0),
                    0.0, 0, 1, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), HOLD_WEIGHT=hold,
-                   num_warps=warps)
+                   AHEAD=ahead, num_warps=warps)
     return y, rstd
+
+
+# (slice, warps) of each form; session 16 dropped the weight-held forms (they lost but at
+# 4096 / 8 warps, where 2048 / 4 warps did better still) and the backward's 16384 / 16 warps
+# (it spills: 80-592 bytes of stack). Registers on the CPU machine (sm_90), without / with
+# AHEAD: backward RMSNorm 2048 / 4 warps 88 / 107 (5 / 4 CTAs an SM), 4096 / 8 108 / 103,
+# 8192 / 16 108 / 105; LayerNorm 116-117 / 128; RMSNorm forward 8192 / 8 62 / 105, 16384 / 16
+# 80 / 102; LayerNorm forward 8192 / 8 79 / 128, 16384 / 16 64 / 128; 32768 / 16 warps
+# spills with AHEAD (264-288 bytes).
+BACKWARD_FORMS = ((2048, 4), (4096, 8), (8192, 8), (8192, 16))
+RMS_FORWARD_FORMS = ((8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16))
+LAYER_FORWARD_FORMS = ((8192, 4), (8192, 8), (16384, 16), (32768, 16))
 
 
 def inspect():
     ik = importlib.import_module("inspect_kernel")
     sig = {**ik.signature(_backward_cluster_kernel), "WORDS": "i32", "ROUNDS": "i32"}
-    for rms in (True, False):
-        for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16)):
-            ik.inspect(_backward_cluster_kernel, sig, {"RMS": rms, "HAS_BIAS": not rms, "BLOCK": block, "CLUSTER": 16,
-                                                       "CLUSTER_POW2": 16, "HOLD_WEIGHT": False}, warps)
+    for ahead in (False, True):
+        for rms in (True, False):
+            for block, warps in BACKWARD_FORMS:
+                ik.inspect(_backward_cluster_kernel, sig, {"RMS": rms, "HAS_BIAS": not rms, "BLOCK": block,
+                                                           "CLUSTER": 16, "CLUSTER_POW2": 16, "HOLD_WEIGHT": False,
+                                                           "AHEAD": ahead}, warps)
     sig = {**ik.signature(_rms_forward_cluster_kernel), "WORDS": "i32", "ROUNDS": "i32"}
-    for block, warps in ((8192, 4), (8192, 8), (16384, 8)):
-        ik.inspect(_rms_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
-                                                      "HOLD_WEIGHT": False}, warps)
+    for ahead in (False, True):
+        for block, warps in RMS_FORWARD_FORMS:
+            ik.inspect(_rms_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
+                                                          "HOLD_WEIGHT": False, "AHEAD": ahead}, warps)
     sig = {**ik.signature(_layer_forward_cluster_kernel), "WORDS": "i32", "ROUNDS": "i32"}
-    for block, warps in ((8192, 4), (8192, 8), (16384, 16)):
-        ik.inspect(_layer_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
+    for ahead in (False, True):
+        for block, warps in LAYER_FORWARD_FORMS:
+            ik.inspect(_layer_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
+                                                            "AHEAD": ahead}, warps)
 
 
 def close(ours, theirs, what):
@@ -202,12 +252,29 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--inspect", action="store_true")
     p.add_argument("--sizes", default="16384,32768,131072,262144")
+    p.add_argument("--ahead", default="0,1", help="forms without (0) and with (1) the next row loaded ahead")
     args = p.parse_args()
     if args.inspect:
         return inspect()
     from measure import copy_bandwidth, print_fraction
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    aheads = [bool(int(a)) for a in args.ahead.split(",")]
+
+    def measure(label, fn, check, nbytes):
+        try:
+            check()
+        except Exception as e:
+            print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return
+        print_fraction(label, fn, nbytes, copy_bw)
+
+    def forms(table, N):
+        for ahead in aheads:
+            for block, warps in table:
+                if 2 <= triton.cdiv(N, block) <= 16:
+                    yield ahead, block, warps, f"{triton.cdiv(N, block)} x {block}/{warps}w{' ahead' if ahead else ''}"
+
     for N in map(int, args.sizes.split(",")):
         M = 2**27 // N
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -221,56 +288,29 @@ def main():
             library = lambda: norm._backward(dy, None, x, w, bias is not None, mean, rstd, 0.0, rms, x.dtype)
             print_fraction(f"N={N} {name} backward library", library, 3 * M * N * 2, copy_bw)
             want = library()
-            for block, warps, hold in ((2048, 4, False), (4096, 8, False), (4096, 8, True), (8192, 8, False),
-                                       (8192, 16, False), (8192, 16, True), (16384, 16, False)):
-                ctas = triton.cdiv(N, block)
-                if not 2 <= ctas <= 16:
-                    continue
-                label = f"N={N} {name} backward cluster {ctas} x {block}/{warps}w{' weight held' if hold else ''}"
-                fn = lambda: cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts, hold)
-                try:
-                    for ours, theirs, what in zip(fn(), want, ("dx", "dweight", "dbias")):
-                        if theirs is not None:
-                            close(ours, theirs, what)
-                except Exception as e:
-                    print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print_fraction(label, fn, 3 * M * N * 2, copy_bw)
+            for ahead, block, warps, form in forms(BACKWARD_FORMS, N):
+                fn = lambda: cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts,
+                                              ahead=ahead)
+                check = lambda: [close(ours, theirs, what) for ours, theirs, what in zip(fn(), want, ("dx", "dw", "db"))
+                                 if theirs is not None]
+                measure(f"N={N} {name} backward cluster {form}", fn, check, 3 * M * N * 2)
         if N > 32768:
             print_fraction(f"N={N} rms forward library", lambda: norm._forward(x, None, w, None, 1e-5, 0.0, True, x.dtype),
                            2 * M * N * 2, copy_bw)
             y_want, _, _, rstd_want = norm._forward(x, None, w, None, 1e-5, 0.0, True, x.dtype)
-            for block, warps, hold in ((8192, 4, False), (8192, 8, False), (8192, 8, True), (16384, 8, False),
-                                       (16384, 16, False)):
-                ctas = triton.cdiv(N, block)
-                if not 2 <= ctas <= 16:
-                    continue
-                label = f"N={N} rms forward cluster {ctas} x {block}/{warps}w{' weight held' if hold else ''}"
-                try:
-                    y, r = rms_cluster_forward(x, w, block, warps, hold)
-                    close(y, y_want, "y")
-                    close(r, rstd_want, "rstd")
-                except Exception as e:
-                    print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print_fraction(label, lambda: rms_cluster_forward(x, w, block, warps, hold), 2 * M * N * 2, copy_bw)
+            for ahead, block, warps, form in forms(RMS_FORWARD_FORMS, N):
+                fn = lambda: rms_cluster_forward(x, w, block, warps, ahead=ahead)
+                check = lambda: [close(ours, theirs, what) for ours, theirs, what in zip(fn(), (y_want, rstd_want),
+                                                                                         ("y", "rstd"))]
+                measure(f"N={N} rms forward cluster {form}", fn, check, 2 * M * N * 2)
             print_fraction(f"N={N} layer forward library", lambda: norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype),
                            2 * M * N * 2, copy_bw)
-            want = norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
-            for block, warps in ((8192, 4), (8192, 8), (16384, 16)):
-                ctas = triton.cdiv(N, block)
-                if not 2 <= ctas <= 16:
-                    continue
-                label = f"N={N} layer forward cluster {ctas} x {block}/{warps}w"
-                try:
-                    y, mean, r = layer_cluster_forward(x, w, b, block, warps)
-                    close(y, want[0], "y")
-                    close(mean, want[2], "mean")
-                    close(r, want[3], "rstd")
-                except Exception as e:
-                    print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print_fraction(label, lambda: layer_cluster_forward(x, w, b, block, warps), 2 * M * N * 2, copy_bw)
+            y_want, _, mean_want, rstd_want = norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
+            for ahead, block, warps, form in forms(LAYER_FORWARD_FORMS, N):
+                fn = lambda: layer_cluster_forward(x, w, b, block, warps, ahead=ahead)
+                check = lambda: [close(ours, theirs, what) for ours, theirs, what in
+                                 zip(fn(), (y_want, mean_want, rstd_want), ("y", "mean", "rstd"))]
+                measure(f"N={N} layer forward cluster {form}", fn, check, 2 * M * N * 2)
         del x, dy, parts, db_parts
         torch.cuda.empty_cache()
 
