@@ -498,6 +498,65 @@ def lagged_forward(x, block, warps, log=False, maxnreg=None):
     return y
 
 
+_INIT_BARRIERS = cluster_._INIT_BARRIERS
+
+
+@triton.jit
+def _start_relaxed(WORDS, CLUSTER: tl.constexpr):
+    # cluster_.start with a relaxed arrive: fence.mbarrier_init (in _INIT_BARRIERS) already
+    # orders the mbarriers' initialisation before the peers' signals, and the release arrive
+    # compiles to MEMBAR.ALL.GPU (session 15), once a row where a cluster takes one row
+    cta = tl.program_id(0)
+    token = tl.inline_asm_elementwise(_INIT_BARRIERS, "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
+    token = tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nbarrier.cluster.wait;\nmov.b32 $0, $1;",
+                                      "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+    return cta % CLUSTER, cta // CLUSTER, token
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_one_shot_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, BLOCK: tl.constexpr,
+                             CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, RELAXED: tl.constexpr):
+    # One row a cluster, a grid of M clusters (quack's form): the GPU starts a cluster where
+    # one finished, rather than a persistent cluster taking its next row. The exchange is the
+    # library's (st.async + mbarrier).
+    if RELAXED:
+        rank, row, token = _start_relaxed(WORDS, CLUSTER)
+    else:
+        rank, row, _, token = cluster_.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    slice_max = tl.max(x, axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+    e = tl.exp2((x - shift) * LOG2E)
+    maxes, sums, token = cluster_.exchange(WORDS, 0, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
+    row_max = tl.max(maxes, axis=0)
+    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+    tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def one_shot_forward(x, block, warps, relaxed):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
+    kw = dict(BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), RELAXED=relaxed, num_warps=warps)
+
+    def prepare(compiled):  # as cluster_.launch's, for a grid of M clusters
+        words = -(-compiled.metadata.shared // 16) * 16
+        shared = words + cluster_.words_bytes(ctas)
+        cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)  # sets the attributes
+        return compiled, words, (compiled.metadata.num_warps, ctas, shared)
+
+    bound, (compiled, words, packed) = launch_.compiled_for(_forward_one_shot_kernel, x.device.index, (ctas,), args,
+                                                            kw, prepare)
+    bound["WORDS"] = words
+    compiled.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed, None, None, None,
+                 *bound.values())
+    return y
+
+
 def library_forward(x, log, block, warps, maxnreg=None):
     """The library's cluster forward, launched directly (a register cap as an option)."""
     M, N = x.shape
@@ -545,6 +604,11 @@ FORMS = {
                          for log in (False, True)
                          for b, w, r in ((8192, 4, None), (8192, 4, 128), (8192, 8, None), (4096, 4, None),
                                          (16384, 8, None), (16384, 16, None), (32768, 16, None))],
+    # session 16, prepared: one row a cluster on a grid of M clusters, the library's exchange,
+    # with the start's release arrive or a relaxed one
+    "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
+                                 lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
+                                for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
 }
 
 
