@@ -61,6 +61,7 @@ def main():
     p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--plans", default="", help="only these plans, e.g. cluster,split")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = p.parse_args()
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -68,13 +69,15 @@ def main():
     for direction in args.directions.split(","):
         for N in map(int, args.sizes.split(",")):
             M = 2**27 // N
-            x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+            x = torch.randn(M, N, device="cuda", dtype=dtype)
+            item = x.element_size()
             y = torch.empty_like(x)
             dy = torch.randn_like(x)
             dx = torch.empty_like(x)
-            default = sm.forward_config(N, args.log, 2, packable=True, clusters=True) if direction == "fwd" \
-                else sm.backward_config(N, args.log, 2, clusters=True)
-            nbytes = (2 if direction == "fwd" else 3) * M * N * 2
+            default = sm.forward_config(N, args.log, item, packable=item == 2, clusters=True) if direction == "fwd" \
+                else sm.backward_config(N, args.log, item, clusters=True)
+            nbytes = (2 if direction == "fwd" else 3) * M * N * item
             plans = [default] if args.default_only else configs(N, direction)
             plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]
             for cfg in plans:
