@@ -33,13 +33,12 @@ import triton.language as tl
 from ._launch import INTERPRET, TRITON_3_6, compiled_for
 
 MAX_CLUSTER = 16  # 8 is the portable limit; the H100 / H200 allow 16 on request
-WORD_BUFFERS = 4  # buffers of words, and mbarriers: rows in flight (the module's docstring)
-BUFFERS: tl.constexpr = tl.constexpr(WORD_BUFFERS)
+BUFFERS: tl.constexpr = tl.constexpr(4)  # buffers of words, and mbarriers: rows in flight (the module's docstring)
 # thread 0 initialises every mbarrier (one arrival a phase) at $1 past global_smem
 _INIT_BARRIERS: tl.constexpr = tl.constexpr(
     "{\n.reg .b32 t, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
     "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
-    + "".join(f"@p mbarrier.init.shared::cta.b64 [b+{8 * k}], 1;\n" for k in range(WORD_BUFFERS))
+    + "".join(f"@p mbarrier.init.shared::cta.b64 [b+{8 * k}], 1;\n" for k in range(BUFFERS.value))
     + "@p fence.mbarrier_init.release.cluster;\nmov.b32 $0, $2;\n}")
 
 
@@ -56,7 +55,7 @@ def _has_clusters(device_index) -> bool:
 
 def words_bytes(cluster: int) -> int:
     """Shared memory the exchange needs past Triton's: the mbarriers and buffers of words."""
-    return WORD_BUFFERS * 8 * (1 + cluster)
+    return BUFFERS.value * 8 * (1 + cluster)
 
 
 # ------------------------------------------------------------------------ device side

@@ -171,6 +171,16 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
 
 
 @triton.jit
+def packed_output(low, high, row_max, log2_total, LOG: tl.constexpr, BF16: tl.constexpr):
+    """(log_)softmax of a row's values held as words (low and high halves, unpacked), packed
+    back into words; row_max and log2_total: the row's max and log2 of sum(exp(x - max))."""
+    if LOG:
+        return pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
+    return pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total), tl.exp2((high - row_max) * LOG2E - log2_total),
+                      BF16)
+
+
+@triton.jit
 def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LOG: tl.constexpr,
                            BF16: tl.constexpr, BLOCK: tl.constexpr):
     # One program a row of N (even, N <= BLOCK) 16-bit values, held as BLOCK / 2 words:
@@ -190,11 +200,7 @@ def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LO
     total = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
     log2_total = tl.log2(total)
     low, high = unpack_pairs(packed ^ (zero & total.to(tl.int32, bitcast=True)), BF16)
-    if LOG:
-        y = pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
-    else:
-        y = pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
-                        tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+    y = packed_output(low, high, row_max, log2_total, LOG, BF16)
     tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row * (y_row_stride // 2) + words, y, mask=mask)
 
 

@@ -31,6 +31,12 @@ cluster = importlib.import_module("pintail._cluster")
 launch_ = importlib.import_module("pintail._launch")
 
 
+@triton.jit
+def _slice(ptr, row, row_stride, cols, col_mask, M):
+    # a CTA's slice of `row` as loaded (zeros past the last row and column)
+    return tl.load(ptr + row * row_stride + cols, mask=col_mask & (row < M), other=0.0)
+
+
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                              x_row_stride, dy_row_stride, dx_row_stride, weight_offset, WORDS, ROUNDS,
@@ -43,9 +49,8 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, d
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
     if AHEAD:
-        mask = col_mask & (first_row < M)
-        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0)
-        dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
+        x_next = _slice(x_ptr, first_row.to(tl.int64), x_row_stride, cols, col_mask, M)
+        dy_next = _slice(dy_ptr, first_row.to(tl.int64), dy_row_stride, cols, col_mask, M)
     if HOLD_WEIGHT:
         w_held = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     dw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -58,13 +63,11 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, d
         row64 = row.to(tl.int64)
         if AHEAD:
             x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
-            ahead = row64 + clusters
-            ahead_mask = col_mask & (ahead < M)
-            x_next = tl.load(x_ptr + ahead * x_row_stride + cols, mask=ahead_mask, other=0.0)
-            dy_next = tl.load(dy_ptr + ahead * dy_row_stride + cols, mask=ahead_mask, other=0.0)
+            x_next = _slice(x_ptr, row64 + clusters, x_row_stride, cols, col_mask, M)
+            dy_next = _slice(dy_ptr, row64 + clusters, dy_row_stride, cols, col_mask, M)
         else:
-            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _slice(x_ptr, row64, x_row_stride, cols, col_mask, M).to(tl.float32)
+            dy = _slice(dy_ptr, row64, dy_row_stride, cols, col_mask, M).to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
         if HOLD_WEIGHT:
             w_eff = w_held
@@ -103,19 +106,16 @@ def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps,
     if HOLD_WEIGHT:
         w_held = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
     if AHEAD:
-        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=col_mask & (first_row < M),
-                         other=0.0)
+        x_next = _slice(x_ptr, first_row.to(tl.int64), x_row_stride, cols, col_mask, M)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
         if AHEAD:
-            x = x_next.to(tl.float32)
-            x_next = tl.load(x_ptr + (row64 + clusters) * x_row_stride + cols,
-                             mask=col_mask & (row64 + clusters < M), other=0.0)
+            x, x_next = x_next.to(tl.float32), _slice(x_ptr, row64 + clusters, x_row_stride, cols, col_mask, M)
         else:
-            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _slice(x_ptr, row64, x_row_stride, cols, col_mask, M).to(tl.float32)
         _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0), token,
                                              CLUSTER, CLUSTER_POW2)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) * inv_n + eps)
@@ -138,19 +138,16 @@ def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr
     col_mask = cols < N
     real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # exchange pads its first values with -inf
     if AHEAD:
-        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=col_mask & (first_row < M),
-                         other=0.0)
+        x_next = _slice(x_ptr, first_row.to(tl.int64), x_row_stride, cols, col_mask, M)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
         if AHEAD:
-            x = x_next.to(tl.float32)
-            x_next = tl.load(x_ptr + (row64 + clusters) * x_row_stride + cols,
-                             mask=col_mask & (row64 + clusters < M), other=0.0)
+            x, x_next = x_next.to(tl.float32), _slice(x_ptr, row64 + clusters, x_row_stride, cols, col_mask, M)
         else:
-            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _slice(x_ptr, row64, x_row_stride, cols, col_mask, M).to(tl.float32)
         sums, _, token = cluster.exchange(WORDS, 2 * i, tl.sum(x, axis=0), tl.full((), 0.0, tl.float32), token,
                                           CLUSTER, CLUSTER_POW2)
         mean = tl.sum(tl.where(real, sums, 0.0), axis=0) * inv_n

@@ -78,11 +78,7 @@ def split_packed_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_strid
             row_max = tl.max(tl.where(valid, maxes, -float("inf")), axis=0)
             log2_total = tl.log2(tl.sum(tl.where(valid, sums * tl.exp2((maxes - row_max) * LOG2E), 0.0), axis=0))
             low, high = unpack_pairs(old ^ (zero & log2_total.to(tl.int32, bitcast=True)), BF16)
-            if LOG:
-                y = pack_pairs(low - row_max - log2_total * LN2, high - row_max - log2_total * LN2, BF16)
-            else:
-                y = pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
-                               tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+            y = softmax.packed_output(low, high, row_max, log2_total, LOG, BF16)
             tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + done * (y_row_stride // 2) + words, y, mask=inside)
         ticket = next_ticket
 
