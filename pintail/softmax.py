@@ -108,35 +108,49 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, LOG: tl.constexpr,
-                            BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+                            BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr,
+                            PERSISTENT: tl.constexpr):
     # A row across the CLUSTER CTAs of a cluster (pintail/_cluster.py): CTA `rank` holds
     # slice `rank` in registers (its exps, for softmax), trades (max, sum of exp(x - max))
     # with its peers through distributed shared memory, and writes its slice of y from the
-    # registers: one read, one write, one exp an element. The next row's slice is loaded
-    # before this row's exchange, so its bytes are in flight while the CTA waits on its peers
-    # and writes y (16 more bits of registers an element).
+    # registers: one read, one write, one exp an element. PERSISTENT: a cluster takes row
+    # after row and loads the next row's slice before this row's exchange, so its bytes are
+    # in flight while the CTA waits on its peers and writes y (16 more bits of registers an
+    # element). Otherwise one row a cluster: the GPU starts a new cluster where one ended,
+    # and the other clusters on the SM hide the wait.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
-    x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
-                     other=-float("inf"))
-    for i in range(0, ROUNDS):
-        row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
-        x = x_next.to(tl.float32)
-        next_row = row + clusters
-        x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
+    if PERSISTENT:
+        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
                          other=-float("inf"))
-        slice_max = tl.max(x, axis=0)
-        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
-        e = tl.exp2((x - shift) * LOG2E)
-        maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
-        row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
-        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
-        if LOG:
-            y = (x - row_max) - log2_total * LN2
-        else:
-            y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
-        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
-                 mask=(cols < N) & (row < M))
+        for i in range(0, ROUNDS):
+            row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
+            x = x_next.to(tl.float32)
+            next_row = row + clusters
+            x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
+                             other=-float("inf"))
+            y, token = _softmax_across_cluster(x, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2)
+            tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
+                     mask=(cols < N) & (row < M))
+    else:
+        row = first_row.to(tl.int64)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        y, token = _softmax_across_cluster(x, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2)
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _softmax_across_cluster(x, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32)."""
+    slice_max = tl.max(x, axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
+    e = tl.exp2((x - shift) * LOG2E)
+    maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
+    row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
+    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    if LOG:
+        return (x - row_max) - log2_total * LN2, token
+    return e * tl.exp2((shift - row_max) * LOG2E - log2_total), token
 
 
 @triton.jit
@@ -300,32 +314,46 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride, WORDS, ROUNDS,
                              LOG: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                             CLUSTER_POW2: tl.constexpr):
+                             CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr):
     # The forward's cluster plan for the backward: CTA `rank` holds slice `rank` of y and dy
     # (as loaded, 16-bit where they are), trades the slice's sum(dy) or sum(y * dy) with its
-    # peers and writes its slice of dx. The next row's slices are loaded before this row's
-    # exchange, as in the forward.
+    # peers and writes its slice of dx. PERSISTENT: rows in turn, the next row's slices
+    # loaded before this row's exchange, as in the forward; otherwise one row a cluster.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
-    mask = (cols < N) & (first_row < M)
-    y_next = tl.load(y_ptr + first_row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0)
-    dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
-    for i in range(0, ROUNDS):
-        row = (first_row + i * clusters).to(tl.int64)
-        y_raw, dy_raw = y_next, dy_next
-        next_row = row + clusters
-        mask = (cols < N) & (next_row < M)
-        y_next = tl.load(y_ptr + next_row * y_row_stride + cols, mask=mask, other=0.0)
-        dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask, other=0.0)
-        _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), _partial(y_raw, dy_raw, LOG),
-                                           token, CLUSTER, CLUSTER_POW2)
-        total = tl.sum(parts, axis=0)
-        y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
-        if LOG:
-            dx = dy - tl.exp2(y * LOG2E) * total
-        else:
-            dx = y * (dy - total)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=(cols < N) & (row < M))
+    if PERSISTENT:
+        mask = (cols < N) & (first_row < M)
+        y_next = tl.load(y_ptr + first_row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
+        for i in range(0, ROUNDS):
+            row = (first_row + i * clusters).to(tl.int64)
+            y_raw, dy_raw = y_next, dy_next
+            next_row = row + clusters
+            mask = (cols < N) & (next_row < M)
+            y_next = tl.load(y_ptr + next_row * y_row_stride + cols, mask=mask, other=0.0)
+            dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask, other=0.0)
+            dx, token = _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2)
+            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty),
+                     mask=(cols < N) & (row < M))
+    else:
+        row = first_row.to(tl.int64)
+        y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=cols < N, other=0.0)
+        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=cols < N, other=0.0)
+        dx, token = _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2)
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr,
+                                     CLUSTER_POW2: tl.constexpr):
+    """This CTA's slice of dx for row i of the cluster, from its slices of y and dy."""
+    _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), _partial(y_raw, dy_raw, LOG),
+                                       token, CLUSTER, CLUSTER_POW2)
+    total = tl.sum(parts, axis=0)
+    y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
+    if LOG:
+        return dy - tl.exp2(y * LOG2E) * total, token
+    return y * (dy - total), token
 
 
 @triton.jit
@@ -368,18 +396,28 @@ FORWARD_TWO_PASS_ROW_BYTES = 65536
 FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16})
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
-# Rows the split plan would take go across a thread-block cluster where the GPU has clusters
-# (_forward_cluster_kernel), by log: (row length up to, slice, warps). Kernel alone, H200,
-# bf16 (tune_softmax.py --plans cluster,split, session 16, with the next row loaded ahead):
-# softmax 0.87 / 0.87 / 0.88 at 65536 / 131072 / 262144 against the split plan's 0.79-0.80;
-# log_softmax 0.87 / 0.87 / 0.88 against 0.80-0.81. Loading ahead took 131072 from 0.86 to
-# 0.87 and 16 x 16384 / 8 warps at 262144 from 0.72 to 0.87 (8 x 32768 / 16 warps: 0.88).
-# Longer rows (not measured) keep the split plan.
-FORWARD_CLUSTER = {False: [(131072, 8192, 4), (262144, 32768, 16)], True: [(131072, 8192, 8), (262144, 32768, 16)]}
-# float32 rows, either op: those slices would spill (32768 / 16 warps: 664 bytes of stack a
-# thread, sm_90). Picked by registers, not timed: 100-107 at 8192 / 8 warps, 102-105 at
-# 16384 / 16 warps, the same bytes a CTA as the 16-bit plans'.
-FORWARD_CLUSTER_FP32 = [(131072, 8192, 8), (262144, 16384, 16)]
+# Past CLUSTER_PAST elements, where the GPU has thread-block clusters, rows go across a
+# cluster as the tables below say (row length up to, the cluster plan's config; None: the
+# plans above). PERSISTENT: as many clusters as fit at once take the rows in turn, loading
+# the next row's slice ahead; else one cluster a row (_forward_cluster_kernel).
+CLUSTER_PAST = 16384
+# Forward, kernel alone, H200, bf16 (tune_softmax.py --plans cluster,two_pass,rows, session
+# 17): one row a cluster of 8192-element slices, 4 warps held to 80 registers (softmax's 87
+# fit 5 CTAs an SM, 80 fit 6; log_softmax's take 80 anyway): softmax 0.93 / 0.94-0.95 /
+# 0.95 / 0.95 / 0.91 at 20000 / 24576-32768 / 65536 / 131072, against the two-pass plan's
+# 0.81-0.91, the packed plan's 0.92 and persistent clusters' 0.87-0.88; log_softmax
+# 0.90-0.94. One row a cluster needs no registers for the next row, and the GPU starts a
+# cluster where one ended, so the other clusters on an SM hide the exchange. At 262144 it
+# falls to 0.60-0.64 (16 x 16384), so persistent clusters of 8 x 32768 / 16 warps (0.87-0.88)
+# stay there.
+_ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
+FORWARD_CLUSTER = [(131072, _ONE_ROW_8192), (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
+# float32, persistent clusters (tune_softmax.py --dtype fp32, session 17): 0.91 at 65536
+# (8192 / 8 warps), 0.91 at 131072 (16384 / 16 warps; 8192 / 8 warps 0.90), 0.90 at 262144
+# (16384 / 32 warps; 16 warps 0.89). One row a cluster not measured in float32.
+FORWARD_CLUSTER_FP32 = [(65536, {"BLOCK": 8192, "num_warps": 8, "PERSISTENT": True}),
+                        (131072, {"BLOCK": 16384, "num_warps": 16, "PERSISTENT": True}),
+                        (262144, {"BLOCK": 16384, "num_warps": 32, "PERSISTENT": True})]
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
 #   did best (0.83-0.84 at 65536-262144; 64 slices 0.69). Past the last entry a row would
@@ -388,17 +426,21 @@ FORWARD_CLUSTER_FP32 = [(131072, 8192, 8), (262144, 16384, 16)]
 # - log_softmax: the lagged plan. Its new slice needs dy alone (the partial is sum(dy)), so
 #   only dy is re-read from L2: 0.90-0.91 at 131072-262144, against own row's 0.81-0.84.
 BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
-# - Up to 262144, either op: across a thread-block cluster where the GPU has them
-#   (_backward_cluster_kernel), (row length up to, slice, warps). Kernel alone, bf16, with the
-#   next row loaded ahead (session 16): softmax / log_softmax 0.96 / 0.96 at 65536, 0.97 /
-#   0.97 at 131072 and 262144 (16384 / 16 warps), against own row's 0.82 and the lagged
-#   plan's 0.90-0.91. Without loading ahead 16 x 16384 gave 0.78 at 262144. Longer rows (not
-#   measured) keep the plans above.
-BACKWARD_CLUSTER = [(65536, 8192, 8), (262144, 16384, 16)]
-# float32 rows: 16384 / 16 warps would spill, and 8192 / 8 warps takes 166-168 registers;
-# 8192 / 16 warps takes 95-96 (sm_90). Picked by registers, not timed; longer rows keep the
-# plans above.
-BACKWARD_CLUSTER_FP32 = [(131072, 8192, 16)]
+# - where the GPU has clusters (CLUSTER_PAST), either op, kernel alone, bf16, session 17:
+#   one row a cluster of 4096-element slices / 4 warps, 0.99 from 20000 to 32768 and 0.99
+#   at 65536 (log_softmax 0.99), against the rows plan's 0.94-0.97 and persistent clusters'
+#   0.94-0.95; past 65536 persistent clusters of 16384 / 16 warps loading ahead, 0.96-0.97 at
+#   131072 and 262144 (one row a cluster 0.96 at 131072, 0.72-0.79 at 262144), against own
+#   row's 0.82 and the lagged plan's 0.90-0.91.
+BACKWARD_CLUSTER = [(65536, {"BLOCK": 4096, "num_warps": 4, "PERSISTENT": False}),
+                    (262144, {"BLOCK": 16384, "num_warps": 16, "PERSISTENT": True})]
+# float32 rows, persistent clusters: 16384 / 16 warps would spill, 8192 / 16 warps takes 95-96
+# registers: 0.99 at 65536 and 131072 (tune_softmax.py --dtype fp32, session 17). Rows up to
+# 32768 keep the rows plan (float32 not measured there across a cluster); past 131072 the
+# own-row plan of 4096 / 4 warps (0.97 at 262144, against 8192 / 8 warps' 0.81 and clusters'
+# 0.94): its slices of 16 KB do as well as bf16's 8192-element ones.
+BACKWARD_CLUSTER_FP32 = [(32768, None), (131072, {"BLOCK": 8192, "num_warps": 16, "PERSISTENT": True})]
+BACKWARD_OWN_ROW_FP32 = [(262144, 4096, 4, 4), (524288, 8192, 8, 2)]
 BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}
 
@@ -412,11 +454,11 @@ def _config(N, rows_table, split):
 
 
 def _across_cluster(N, cfg, table, clusters):
-    """The cluster plan from `table` (row length up to, slice, warps) for rows `cfg` would
-    split, where the GPU runs clusters; else `cfg`."""
-    for limit, block, warps in table if cfg["plan"] == "split" and clusters else ():
+    """The cluster plan from `table` (row length up to, config or None) for rows past
+    CLUSTER_PAST, where the GPU runs clusters; else `cfg`."""
+    for limit, cluster_cfg in table if clusters and N > CLUSTER_PAST else ():
         if N <= limit:
-            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
+            return {"plan": "cluster", **cluster_cfg} if cluster_cfg else cfg
     return cfg
 
 
@@ -425,17 +467,18 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     even length whose rows start 4-byte aligned (the packed plan's words); clusters: the GPU
     runs thread-block clusters (_cluster.available)."""
     low, high, packed = FORWARD_PACKED
-    if packable and low < N <= high:
-        return packed
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
-    return _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER[log], clusters)
+    if packable and low < N <= high:
+        cfg = packed
+    return _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
 
 
 def backward_config(N, log, item_size=2, clusters=False):
     cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
                           BACKWARD_CLUSTER_FP32 if item_size == 4 else BACKWARD_CLUSTER, clusters)
-    for limit, block, warps, per_sm in BACKWARD_OWN_ROW if cfg["plan"] == "split" and not log else ():
+    own_row = BACKWARD_OWN_ROW_FP32 if item_size == 4 else BACKWARD_OWN_ROW
+    for limit, block, warps, per_sm in own_row if cfg["plan"] == "split" and not log else ():
         if N <= limit:
             return {"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
     return cfg
@@ -457,7 +500,8 @@ def launch_forward(x, y, log, config=None):
     elif cfg["plan"] == "cluster":
         ctas = cdiv(N, cfg["BLOCK"])
         cluster.launch(_forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
-                       BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), num_warps=cfg["num_warps"])
+                       BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
+                       PERSISTENT=cfg["PERSISTENT"], num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
@@ -482,7 +526,7 @@ def launch_backward(y, dy, dx, log, config=None):
         ctas = cdiv(N, cfg["BLOCK"])
         cluster.launch(_backward_cluster_kernel, M, ctas, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0),
                        0, 1, LOG=log, BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
-                       num_warps=cfg["num_warps"])
+                       PERSISTENT=cfg["PERSISTENT"], num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),

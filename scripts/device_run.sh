@@ -19,7 +19,8 @@
 #                                                  # softmax's cluster forward: one block reduction a row (12),
 #                                                  # log_softmax's held to 96 registers (13), pipelined at 262144 (14);
 #                                                  # one row a cluster on a grid of M clusters (15, session 16);
-#                                                  # float32's cluster plans against the split ones (16)
+#                                                  # float32's cluster plans against the split ones (16);
+#                                                  # the forward across a cluster at 32768 (17, session 17)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -55,8 +56,9 @@ case $mode in
                "exp_softmax_cluster.py --form two-level --sizes 65536,131072"
                "exp_softmax_cluster.py --form log-maxnreg --sizes 98304,131072"
                "exp_softmax_cluster.py --form stages --sizes 262144"
-               "exp_softmax_cluster.py --form one-shot-mbar --sizes 65536,131072,262144"
-               "tune_softmax.py --dtype fp32 --sizes 65536,131072,262144 --plans cluster,split,own_row --out /tmp")
+               "exp_softmax_cluster.py --form one-shot-mbar --sizes 32768,65536,131072,262144"
+               "tune_softmax.py --dtype fp32 --sizes 65536,131072,262144 --plans cluster,split,own_row --out /tmp"
+               "tune_softmax.py --directions fwd --sizes 32768 --plans cluster,two_pass --out /tmp")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

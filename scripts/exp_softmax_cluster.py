@@ -441,7 +441,8 @@ def prefetch_forward(x, block, warps, maxnreg=None):
     ctas = triton.cdiv(N, block)
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(_forward_cluster_prefetch_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1,
-                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=True, num_warps=warps,
+                    **extra)
     return y
 
 
@@ -494,7 +495,8 @@ def lagged_forward(x, block, warps, log=False, maxnreg=None):
     ctas = triton.cdiv(N, block)
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(_forward_cluster_lagged_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
-                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=True, num_warps=warps,
+                    **extra)
     return y
 
 
@@ -564,7 +566,8 @@ def library_forward(x, log, block, warps, maxnreg=None):
     ctas = triton.cdiv(N, block)
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(sm._forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
-                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
+                    BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=True, num_warps=warps,
+                    **extra)
     return y
 
 

@@ -39,11 +39,18 @@ def configs(N, direction):
         # 16-32 warps an SM (session 13's RMSNorm gain came from such a step)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
                 ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (8192, 32), (16384, 32), (4096, 16), (4096, 32))]
-    if N >= 16384:
-        # across a thread-block cluster (2-16 CTAs a row): (slice, warps)
-        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps} for block, warps in
+    if N >= 8192:
+        # across a thread-block cluster (2-16 CTAs a row): (slice, warps), persistent clusters
+        # loading the next row ahead, or one cluster a row
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "PERSISTENT": True} for block, warps in
                 ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16), (16384, 32), (32768, 16))
                 if 2 <= -(-N // block) <= 16]
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "PERSISTENT": False} for block, warps in
+                ((2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16), (16384, 16), (16384, 32),
+                 (32768, 32)) if 2 <= -(-N // block) <= 16]
+        # held to 80 registers (softmax's 87 at 8192 / 4 warps: 5 CTAs an SM; 80: 6, no spill)
+        out += [{"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}] \
+            if 2 <= -(-N // 8192) <= 16 else []
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):

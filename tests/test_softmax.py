@@ -111,21 +111,23 @@ def test_long_rows_forward_plans():
 
 
 def test_long_rows_forward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, the rows the split plan would take go across a
-    cluster up to 262144 (slices of 8192 up to 131072, of 32768 past it); the other plans
-    stay as they were."""
+    """Where the GPU has thread-block clusters, rows past 16384 elements go across a cluster
+    up to 262144: one row a cluster of 8192-element slices up to 131072, persistent clusters
+    of 32768-element slices past it; float32 rows persistent clusters of slices that do not
+    spill. Shorter and longer rows keep their plans."""
+    one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
             N, log, item_size, packable, clusters=True)
-        assert config(32768)["plan"] == "packed" and config(FORWARD_PAST_ON_CHIP)["plan"] == "two_pass"
-        assert config(1000)["plan"] == "rows"
-        assert config(32769) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8 if log else 4}
-        assert config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8 if log else 4}
-        assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16}
+        assert config(1000)["plan"] == "rows" and config(16384)["plan"] == "rows"
+        assert config(16385) == config(32768) == config(131072) == one_row
+        assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16,
+                                                    "PERSISTENT": True}
         assert config(262145)["plan"] == "split"
-        # float32: slices that do not spill
-        assert config(FORWARD_PAST_ON_CHIP, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
-        assert config(262144, 4) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16}
+        assert config(16385, 4) == config(65536, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
+                                                        "PERSISTENT": True}
+        assert config(262144, 4) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 32, "PERSISTENT": True}
+        assert config(262145, 4)["plan"] == "split"
 
 
 def forward_plans_run(monkeypatch, fn):
@@ -161,8 +163,9 @@ def cluster_device(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [FORWARD_PAST_ON_CHIP + 16384, 65539, 131072, 200003, 262144])
 def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device):
-    """Rows across a thread-block cluster (2 to 16 CTAs, slices of 8192 to 32768), forward and
-    backward (float32's past 131072 takes the own-row or lagged plan): against torch, with a
+    """Rows across a thread-block cluster as the tables pick (one row a cluster or persistent,
+    2 to 16 CTAs, slices of 4096 to 32768), forward and backward (float32's past 131072 takes
+    the own-row or lagged plan): against torch, with a
     slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the last slice
     masked where N is not a multiple of the slice."""
     x = torch.randn(5, N, device=cluster_device) * 3
@@ -180,12 +183,39 @@ def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device)
     assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one_row"])
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("M, N", [(3000, 39993), (300, 200003)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("N, block", [(20000, 4096), (65539, 8192), (200003, 16384)])
+def test_cluster_forms(persistent, op, dtype, N, block, cluster_device):
+    """Both forms of the cluster kernels, whatever the tables pick: persistent clusters taking
+    rows in turn (loading ahead), or one cluster a row; 5 to 13 CTAs a cluster, the last slice
+    masked; forward and backward against torch in float64."""
+    log = op == "log_softmax"
+    x = torch.randn(37, N, device=cluster_device) * 3
+    x[0, 1::5] = -float("inf")
+    x = x.to(dtype)
+    dy = torch.randn_like(x)
+    cfg = {"plan": "cluster", "BLOCK": block, "num_warps": 8, "PERSISTENT": persistent}
+    y = torch.empty_like(x)
+    softmax_module.launch_forward(x, y, log, cfg)
+    torch_fn = OPS[op][1]
+    assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
+    dx = torch.empty_like(x)
+    softmax_module.launch_backward(y, dy, dx, log, cfg)
+    y64, dy64 = y.double(), dy.double()
+    dx_exact = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if log \
+        else y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+    assert_matches(dx, dx_exact, dx_exact.to(dtype))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("M, N", [(3000, 39993), (1500, 150001), (300, 200003)])
 def test_cluster_plans_over_many_rounds(op, M, N, monkeypatch, cluster_device):
-    """More rows than clusters fit, so each cluster takes many rows in turn (its exchange
-    buffers alternate, its mbarriers' phases wrap, the next row's slice is loaded ahead and
-    the last round's is masked); rows of a strided view, 10 bytes into each row."""
+    """More rows than clusters fit: at 39993 a grid of 3000 clusters, one a row; past 131072
+    (forward) or 65536 (backward) each persistent cluster takes many rows in turn (its
+    exchange buffers alternate, its mbarriers' phases wrap, the next row's slice is loaded
+    ahead and the last round's is masked); rows of a strided view, 10 bytes into each row."""
     wide = torch.randn(M, N + 7, device=cluster_device, dtype=torch.bfloat16) * 2
     x = wide[:, 5:N + 5].requires_grad_()
     dy = torch.randn(M, N + 7, device=cluster_device, dtype=torch.bfloat16)[:, :N]
@@ -213,6 +243,7 @@ def test_packed_forward(op, dtype, N, monkeypatch, device):
     x = torch.randn(3, N, device=device, dtype=dtype) * 3
     x[0, 1::7] = float("-inf")
     x[1, 5] = 1e4 if dtype == torch.bfloat16 else 6e4
+    monkeypatch.setattr(softmax_module.cluster, "available", lambda device: False)  # where clusters take them
     assert forward_plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_packed_kernel"]
     x[2] = float("-inf")
     ours_fn, torch_fn = OPS[op]
@@ -259,18 +290,25 @@ def test_long_rows_backward_plans():
 
 
 def test_long_rows_backward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, rows past the rows plan up to 262144 go across
-    a cluster (slices of 8192 up to 65536, of 16384 past it), for either op; longer rows keep
-    their plans."""
+    """Where the GPU has thread-block clusters, rows past 16384 elements up to 262144 go
+    across a cluster for either op: one row a cluster of 4096-element slices up to 65536,
+    persistent clusters of 16384 past it. float32 rows keep the rows plan up to 32768 and go
+    across persistent clusters of 8192 up to 131072; past that softmax's take the own-row
+    plan of 4096-element slices. Longer rows keep their plans."""
     for log in (False, True):
         config = lambda N, item_size=2: softmax_module.backward_config(N, log, item_size, clusters=True)
-        assert config(32768)["plan"] == "rows"
-        assert config(PAST_ON_CHIP) == config(65536) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8}
-        assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16}
+        assert config(16384)["plan"] == "rows"
+        assert config(16385) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4,
+                                                  "PERSISTENT": False}
+        assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16,
+                                                   "PERSISTENT": True}
         assert config(262145) == softmax_module.backward_config(262145, log)
-        # float32: slices that do not spill, up to 131072
-        assert config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 16}
+        assert config(32768, 4)["plan"] == "rows"
+        assert config(32769, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 16,
+                                                         "PERSISTENT": True}
         assert config(131073, 4) == softmax_module.backward_config(131073, log, 4)
+    assert softmax_module.backward_config(262144, False, 4, clusters=True) == {
+        "plan": "own_row", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 
 
 @pytest.mark.parametrize("op", OPS)
