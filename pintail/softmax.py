@@ -412,11 +412,10 @@ CLUSTER_PAST = 16384
 # stay there.
 _ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
 FORWARD_CLUSTER = [(131072, _ONE_ROW_8192), (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
-# float32, persistent clusters (tune_softmax.py --dtype fp32, session 17): 0.91 at 65536
-# (8192 / 8 warps), 0.91 at 131072 (16384 / 16 warps; 8192 / 8 warps 0.90), 0.90 at 262144
-# (16384 / 32 warps; 16 warps 0.89). One row a cluster not measured in float32.
-FORWARD_CLUSTER_FP32 = [(65536, {"BLOCK": 8192, "num_warps": 8, "PERSISTENT": True}),
-                        (131072, {"BLOCK": 16384, "num_warps": 16, "PERSISTENT": True}),
+# float32 (tune_softmax.py --dtype fp32, session 17): one row a cluster of 8192 / 8 warps,
+# 0.95 at 32768 and 0.96 at 131072, against persistent clusters' 0.89 / 0.91; at 262144
+# persistent clusters of 16384 / 32 warps, 0.90 (16 warps 0.89; 32768-element slices spill).
+FORWARD_CLUSTER_FP32 = [(131072, {"BLOCK": 8192, "num_warps": 8, "PERSISTENT": False}),
                         (262144, {"BLOCK": 16384, "num_warps": 32, "PERSISTENT": True})]
 # Backward of long rows (H200 sweeps, scripts/tune_softmax.py --directions bwd [--log]):
 # - softmax: own row, (row length up to, slice, warps, programs per SM); 16-32 slices a row
@@ -434,12 +433,11 @@ BACKWARD_OWN_ROW = [(131072, 4096, 4, 4), (524288, 8192, 8, 2)]
 #   row's 0.82 and the lagged plan's 0.90-0.91.
 BACKWARD_CLUSTER = [(65536, {"BLOCK": 4096, "num_warps": 4, "PERSISTENT": False}),
                     (262144, {"BLOCK": 16384, "num_warps": 16, "PERSISTENT": True})]
-# float32 rows, persistent clusters: 16384 / 16 warps would spill, 8192 / 16 warps takes 95-96
-# registers: 0.99 at 65536 and 131072 (tune_softmax.py --dtype fp32, session 17). Rows up to
-# 32768 keep the rows plan (float32 not measured there across a cluster); past 131072 the
+# float32 rows: one row a cluster of 8192 / 8 warps, 1.01 at 32768 and 131072 (persistent
+# clusters of 8192 / 16 warps 0.99; the rows plan not timed in float32); past 131072 the
 # own-row plan of 4096 / 4 warps (0.97 at 262144, against 8192 / 8 warps' 0.81 and clusters'
 # 0.94): its slices of 16 KB do as well as bf16's 8192-element ones.
-BACKWARD_CLUSTER_FP32 = [(32768, None), (131072, {"BLOCK": 8192, "num_warps": 16, "PERSISTENT": True})]
+BACKWARD_CLUSTER_FP32 = [(131072, {"BLOCK": 8192, "num_warps": 8, "PERSISTENT": False})]
 BACKWARD_OWN_ROW_FP32 = [(262144, 4096, 4, 4), (524288, 8192, 8, 2)]
 BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 8, "PROGRAMS_PER_SM": 2, "LAG_ROUNDS": 1}
 LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_PER_SM": 4, "LAG_ROUNDS": 0.5}

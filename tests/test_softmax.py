@@ -113,8 +113,8 @@ def test_long_rows_forward_plans():
 def test_long_rows_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, rows past 16384 elements go across a cluster
     up to 262144: one row a cluster of 8192-element slices up to 131072, persistent clusters
-    of 32768-element slices past it; float32 rows persistent clusters of slices that do not
-    spill. Shorter and longer rows keep their plans."""
+    of 32768-element slices past it; float32 rows one a cluster of 8192 up to 131072, then
+    persistent clusters of 16384. Shorter and longer rows keep their plans."""
     one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
@@ -124,8 +124,8 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16,
                                                     "PERSISTENT": True}
         assert config(262145)["plan"] == "split"
-        assert config(16385, 4) == config(65536, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
-                                                        "PERSISTENT": True}
+        assert config(16385, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
+                                                         "PERSISTENT": False}
         assert config(262144, 4) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 32, "PERSISTENT": True}
         assert config(262145, 4)["plan"] == "split"
 
@@ -292,9 +292,9 @@ def test_long_rows_backward_plans():
 def test_long_rows_backward_plans_with_clusters():
     """Where the GPU has thread-block clusters, rows past 16384 elements up to 262144 go
     across a cluster for either op: one row a cluster of 4096-element slices up to 65536,
-    persistent clusters of 16384 past it. float32 rows keep the rows plan up to 32768 and go
-    across persistent clusters of 8192 up to 131072; past that softmax's take the own-row
-    plan of 4096-element slices. Longer rows keep their plans."""
+    persistent clusters of 16384 past it. float32 rows go one a cluster of 8192-element slices
+    up to 131072; past that softmax's take the own-row plan of 4096-element slices. Longer
+    rows keep their plans."""
     for log in (False, True):
         config = lambda N, item_size=2: softmax_module.backward_config(N, log, item_size, clusters=True)
         assert config(16384)["plan"] == "rows"
@@ -303,9 +303,8 @@ def test_long_rows_backward_plans_with_clusters():
         assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16,
                                                    "PERSISTENT": True}
         assert config(262145) == softmax_module.backward_config(262145, log)
-        assert config(32768, 4)["plan"] == "rows"
-        assert config(32769, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 16,
-                                                         "PERSISTENT": True}
+        assert config(16385, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
+                                                         "PERSISTENT": False}
         assert config(131073, 4) == softmax_module.backward_config(131073, log, 4)
     assert softmax_module.backward_config(262144, False, 4, clusters=True) == {
         "plan": "own_row", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_SM": 4}
