@@ -16,9 +16,10 @@ receives row i (`send`, then `receive`). A peer's send of row j then waits only 
 CTA's send of row j - 1, after which this CTA may still hold rows j - 2 and j - 1 unread:
 three rows in flight at most, so four buffers never overwrite a word before it is read.
 
-The grid is persistent (as many clusters as fit at once, from cuOccupancyMaxActiveClusters):
-cluster c takes rows c, c + clusters, ... Nothing waits across clusters, and the CTAs of a
-cluster run together by construction, so no order of dispatch can deadlock.
+The grid is persistent (as many clusters as fit at once, from cuOccupancyMaxActiveClusters:
+cluster c takes rows c, c + clusters, ...) or has one cluster a row, where the GPU starts a
+cluster as one ends. Nothing waits across clusters, and the CTAs of a cluster run together
+by construction, so no order of dispatch can deadlock.
 
 The interpreter has no inline PTX: there the split plans (_split.py) take these rows.
 """
