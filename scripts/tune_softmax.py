@@ -48,9 +48,12 @@ def configs(N, direction):
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "PERSISTENT": False} for block, warps in
                 ((2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16), (16384, 16), (16384, 32),
                  (32768, 32)) if 2 <= -(-N // block) <= 16]
-        # held to 80 registers (softmax's 87 at 8192 / 4 warps: 5 CTAs an SM; 80: 6, no spill)
-        out += [{"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}] \
-            if 2 <= -(-N // 8192) <= 16 else []
+        # held to fewer registers: softmax's 87 at 8192 / 4 warps fit 5 CTAs an SM, 80 fit 6 (no
+        # spill), 72 fit 7 (40 bytes of spill); 16384 / 8 warps: 87 fit 2, 80 fit 3
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "PERSISTENT": False, "maxnreg": cap}
+                for block, warps, cap in ((8192, 4, 80), (8192, 4, 72), (16384, 8, 80), (16384, 8, 72), (16384, 8, 64),
+                                          (16384, 8, None))
+                if 2 <= -(-N // block) <= 16]
     if N >= 16384:
         # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
