@@ -283,9 +283,10 @@ cluster_ = importlib.import_module("pintail._cluster")
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero, WORDS, ROUNDS,
                                    BF16: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                                   CLUSTER_POW2: tl.constexpr):
+                                   CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr):
     # The library's cluster kernel with the slice held as words of two 16-bit values (half
     # the registers: more CTAs an SM), unpacked for each pass (two exps an element).
+    # PERSISTENT (read by cluster_.launch): False gives a grid of M clusters, one round each.
     rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
     words = rank * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     for i in range(0, ROUNDS):
@@ -307,13 +308,14 @@ def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_strid
         tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (y_row_stride // 2) + words, y, mask=mask)
 
 
-def cluster_packed_forward(x, block, warps):
+def cluster_packed_forward(x, block, warps, persistent=True, maxnreg=None):
     M, N = x.shape
     y = torch.empty_like(x)
     ctas = triton.cdiv(N, block)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(_forward_cluster_packed_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
                     BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
-                    CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps)
+                    CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=persistent, num_warps=warps, **extra)
     return y
 
 
@@ -347,7 +349,8 @@ def inspect():
     sig["WORDS"] = sig["ROUNDS"] = sig["zero"] = "i32"
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 16), (16384, 16, 16), (4096, 4, 16)):
         ik.inspect(_forward_cluster_packed_kernel, sig,
-                   {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster}, warps)
+                   {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster, "PERSISTENT": False},
+                   warps)
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
            "SLOTS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr"}
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 8), (16384, 16, 16), (4096, 4, 8)):
@@ -609,6 +612,13 @@ FORMS = {
                                          (16384, 8, None), (16384, 16, None), (32768, 16, None))],
     # session 16, prepared: one row a cluster on a grid of M clusters, the library's exchange,
     # with the start's release arrive or a relaxed one
+    # session 17: one row a cluster (the relaxed start) with the slice held as words of two
+    # 16-bit values (registers on the CPU machine: see --inspect); held as 16-bit values of
+    # their own (no words), ptxas kept 80 registers at 8192 / 4 warps, as the library's
+    "one-row-packed": lambda N: [(f"one-row packed {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}",
+                                  lambda x, b=b, w=w, r=r: cluster_packed_forward(x, b, w, False, r), False)
+                                 for b, w, r in ((8192, 4, None), (8192, 4, 64), (8192, 8, None), (16384, 8, None),
+                                                 (16384, 8, 64), (16384, 16, None))],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
