@@ -99,7 +99,10 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, d
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps, x_row_stride, y_row_stride,
                                 weight_offset, WORDS, ROUNDS, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                                CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr, AHEAD: tl.constexpr):
+                                CLUSTER_POW2: tl.constexpr, HOLD_WEIGHT: tl.constexpr, AHEAD: tl.constexpr,
+                                PERSISTENT: tl.constexpr):
+    # PERSISTENT (read by cluster.launch): False gives a grid of M clusters, one round each
+    # (one row a cluster, as softmax's forward since session 17; then AHEAD must be False)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -130,7 +133,8 @@ def _rms_forward_cluster_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, inv_n, eps,
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, eps, x_row_stride,
                                   y_row_stride, weight_offset, WORDS, ROUNDS, BLOCK: tl.constexpr,
-                                  CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr):
+                                  CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr,
+                                  PERSISTENT: tl.constexpr):
     # Exact two-pass statistics across the cluster: two exchanges a row (exchange 2i: the
     # slices' sums, for the mean; 2i + 1: their squared deviations from it), from registers.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
@@ -162,7 +166,7 @@ def _layer_forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr
         tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
 
 
-def layer_cluster_forward(x, w, b, block, warps, ahead=False, eps=1e-5):
+def layer_cluster_forward(x, w, b, block, warps, ahead=False, eps=1e-5, persistent=True, maxnreg=None):
     M, N = x.shape
     ctas = triton.cdiv(N, block)
     y = torch.empty_like(x)
@@ -170,7 +174,7 @@ def layer_cluster_forward(x, w, b, block, warps, ahead=False, eps=1e-5):
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     cluster.launch(_layer_forward_cluster_kernel, M, ctas, x, w, b, y, mean, rstd, M, N, 1.0 / N, eps, x.stride(0),
                    y.stride(0), 0.0, 0, 1, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas),
-                   AHEAD=ahead, num_warps=warps)
+                   AHEAD=ahead, PERSISTENT=persistent, num_warps=warps, maxnreg=maxnreg)
     return y, mean, rstd
 
 
@@ -195,14 +199,14 @@ def cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_pa
     return dx, dw, db
 
 
-def rms_cluster_forward(x, w, block, warps, hold=False, ahead=False, eps=1e-5):
+def rms_cluster_forward(x, w, block, warps, hold=False, ahead=False, eps=1e-5, persistent=True, maxnreg=None):
     M, N = x.shape
     ctas = triton.cdiv(N, block)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     cluster.launch(_rms_forward_cluster_kernel, M, ctas, x, w, y, rstd, M, N, 1.0 / N, eps, x.stride(0), y.stride(0),
                    0.0, 0, 1, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), HOLD_WEIGHT=hold,
-                   AHEAD=ahead, num_warps=warps)
+                   AHEAD=ahead, PERSISTENT=persistent, num_warps=warps, maxnreg=maxnreg)
     return y, rstd
 
 
@@ -231,12 +235,13 @@ def inspect():
     for ahead in (False, True):
         for block, warps in RMS_FORWARD_FORMS:
             ik.inspect(_rms_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
-                                                          "HOLD_WEIGHT": False, "AHEAD": ahead}, warps)
+                                                          "HOLD_WEIGHT": False, "AHEAD": ahead, "PERSISTENT": True},
+                       warps)
     sig = {**ik.signature(_layer_forward_cluster_kernel), "WORDS": "i32", "ROUNDS": "i32"}
     for ahead in (False, True):
         for block, warps in LAYER_FORWARD_FORMS:
             ik.inspect(_layer_forward_cluster_kernel, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16,
-                                                            "AHEAD": ahead}, warps)
+                                                            "AHEAD": ahead, "PERSISTENT": True}, warps)
 
 
 def close(ours, theirs, what):
@@ -249,14 +254,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--inspect", action="store_true")
     p.add_argument("--sizes", default="16384,32768,131072,262144")
-    p.add_argument("--ahead", default="0,1", help="forms without (0) and with (1) the next row loaded ahead")
+    p.add_argument("--ahead", default="0,1", help="forms without (0) and with (1) the next row loaded ahead, "
+                                                  "and (r, forwards only) one row a cluster, (r80) held to 80 registers")
     args = p.parse_args()
     if args.inspect:
         return inspect()
     from measure import copy_bandwidth, print_fraction
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    aheads = [bool(int(a)) for a in args.ahead.split(",")]
+    modes = args.ahead.split(",")
 
     def measure(label, fn, check, nbytes):
         try:
@@ -266,11 +272,14 @@ def main():
             return
         print_fraction(label, fn, nbytes, copy_bw)
 
-    def forms(table, N):
-        for ahead in aheads:
+    def forms(table, N, one_row=True):
+        for mode in modes if one_row else [m for m in modes if not m.startswith("r")]:
+            label = {"0": "", "1": " ahead", "r": " one row", "r80": " one row maxnreg 80"}[mode]
             for block, warps in table:
                 if 2 <= triton.cdiv(N, block) <= 16:
-                    yield ahead, block, warps, f"{triton.cdiv(N, block)} x {block}/{warps}w{' ahead' if ahead else ''}"
+                    yield (dict(ahead=mode == "1", persistent=not mode.startswith("r"),
+                                maxnreg=80 if mode == "r80" else None),
+                           block, warps, f"{triton.cdiv(N, block)} x {block}/{warps}w{label}")
 
     for N in map(int, args.sizes.split(",")):
         M = 2**27 // N
@@ -285,9 +294,9 @@ def main():
             library = lambda: norm._backward(dy, None, x, w, bias is not None, mean, rstd, 0.0, rms, x.dtype)
             print_fraction(f"N={N} {name} backward library", library, 3 * M * N * 2, copy_bw)
             want = library()
-            for ahead, block, warps, form in forms(BACKWARD_FORMS, N):
+            for mode, block, warps, form in forms(BACKWARD_FORMS, N, one_row=False):
                 fn = lambda: cluster_backward(x, w, bias, dy, mean, rstd, rms, block, warps, parts, db_parts,
-                                              ahead=ahead)
+                                              ahead=mode["ahead"])
                 check = lambda: [close(ours, theirs, what) for ours, theirs, what in zip(fn(), want, ("dx", "dw", "db"))
                                  if theirs is not None]
                 measure(f"N={N} {name} backward cluster {form}", fn, check, 3 * M * N * 2)
@@ -295,16 +304,16 @@ def main():
             print_fraction(f"N={N} rms forward library", lambda: norm._forward(x, None, w, None, 1e-5, 0.0, True, x.dtype),
                            2 * M * N * 2, copy_bw)
             y_want, _, _, rstd_want = norm._forward(x, None, w, None, 1e-5, 0.0, True, x.dtype)
-            for ahead, block, warps, form in forms(RMS_FORWARD_FORMS, N):
-                fn = lambda: rms_cluster_forward(x, w, block, warps, ahead=ahead)
+            for mode, block, warps, form in forms(RMS_FORWARD_FORMS, N):
+                fn = lambda: rms_cluster_forward(x, w, block, warps, **mode)
                 check = lambda: [close(ours, theirs, what) for ours, theirs, what in zip(fn(), (y_want, rstd_want),
                                                                                          ("y", "rstd"))]
                 measure(f"N={N} rms forward cluster {form}", fn, check, 2 * M * N * 2)
             print_fraction(f"N={N} layer forward library", lambda: norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype),
                            2 * M * N * 2, copy_bw)
             y_want, _, mean_want, rstd_want = norm._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
-            for ahead, block, warps, form in forms(LAYER_FORWARD_FORMS, N):
-                fn = lambda: layer_cluster_forward(x, w, b, block, warps, ahead=ahead)
+            for mode, block, warps, form in forms(LAYER_FORWARD_FORMS, N):
+                fn = lambda: layer_cluster_forward(x, w, b, block, warps, **mode)
                 check = lambda: [close(ours, theirs, what) for ours, theirs, what in
                                  zip(fn(), (y_want, mean_want, rstd_want), ("y", "mean", "rstd"))]
                 measure(f"N={N} layer forward cluster {form}", fn, check, 2 * M * N * 2)
