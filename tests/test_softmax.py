@@ -12,6 +12,15 @@ FORWARD_PAST_ON_CHIP = softmax_module.FORWARD_ROWS[-1][0] + 1
 PAST_ON_CHIP = max(FORWARD_PAST_ON_CHIP, softmax_module.BACKWARD_ROWS[-1][0] + 1)
 
 
+def exact_backward(op, y, dy, dim=-1):
+    """The input gradient from the output y and dy in float64: y (dy - sum(y dy)) for softmax,
+    dy - exp(y) sum(dy) for log_softmax."""
+    y64, dy64 = y.detach().double(), dy.double()
+    if op == "softmax":
+        return y64 * (dy64 - (y64 * dy64).sum(dim, keepdim=True))
+    return dy64 - y64.exp() * dy64.sum(dim, keepdim=True)
+
+
 def check_op(op, x, dim=-1, dtype=None, dy=None):
     """Forward and input gradient of pintail's op against torch: float64 truth, and torch in
     the same dtype as the second bar."""
@@ -31,16 +40,12 @@ def check_op(op, x, dim=-1, dtype=None, dy=None):
     assert dx.dtype == x.dtype
     # The backward kernel against its exact formula on the output it was given: in fp16 and
     # bf16 the rounding of that output (the forward's, checked above) dominates the error.
-    y64, dy64 = y.detach().double(), dy.double()
-    if op == "softmax":
-        dx_exact = y64 * (dy64 - (y64 * dy64).sum(dim, keepdim=True))
-    else:
-        dx_exact = dy64 - y64.exp() * dy64.sum(dim, keepdim=True)
+    dx_exact = exact_backward(op, y, dy, dim)
     assert_matches(dx, dx_exact, dx_exact.to(x.dtype))
     if x.dtype == torch.float32 and (dtype or x.dtype) == torch.float32:
         # and end to end, where the output's rounding is small
         (dx_torch,) = torch.autograd.grad(y_torch, x_torch, dy)
-        (dx_truth,) = torch.autograd.grad(y_truth, x_truth, dy64)
+        (dx_truth,) = torch.autograd.grad(y_truth, x_truth, dy.double())
         assert_matches(dx, dx_truth, dx_torch)
     return y
 
@@ -203,9 +208,7 @@ def test_cluster_forms(persistent, op, dtype, N, block, cluster_device):
     assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
     dx = torch.empty_like(x)
     softmax_module.launch_backward(y, dy, dx, log, cfg)
-    y64, dy64 = y.double(), dy.double()
-    dx_exact = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if log \
-        else y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+    dx_exact = exact_backward(op, y, dy)
     assert_matches(dx, dx_exact, dx_exact.to(dtype))
 
 
@@ -225,9 +228,7 @@ def test_cluster_plans_over_many_rounds(op, M, N, monkeypatch, cluster_device):
         y = ours_fn(x, -1)
         assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
         (dx,) = torch.autograd.grad(y, x, dy)
-        y64, dy64 = y.detach().double(), dy.double()
-        dx_exact = dy64 - y64.exp() * dy64.sum(-1, keepdim=True) if op == "log_softmax" \
-            else y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+        dx_exact = exact_backward(op, y, dy)
         assert_matches(dx, dx_exact, dx_exact.to(dx.dtype))
 
     assert plans_run(monkeypatch, forward_and_backward) == ["_forward_cluster_kernel", "_backward_cluster_kernel"]
