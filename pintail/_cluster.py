@@ -176,18 +176,41 @@ def _clusters_that_fit(function: int, num_warps: int, cluster: int, shared: int)
     return fits.value
 
 
-def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
+def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> int:
     """Launch `kernel`, whose last two runtime arguments are named WORDS (the exchange's
     offset in shared memory) and ROUNDS (rows per cluster; neither specialised), on clusters
     of `cluster` CTAs covering `rows` rows: as many clusters as fit at once, each taking
     ROUNDS rows, or, where the kernel has a constexpr PERSISTENT set False, one cluster a
-    row. Pass WORDS=0, ROUNDS=1: they are set here."""
-    if not 2 <= cluster <= MAX_CLUSTER:
-        raise ValueError(f"pintail: a cluster of {cluster} CTAs; expected 2 to {MAX_CLUSTER}")
+    row. Pass WORDS=0, ROUNDS=1: they are set here. Returns the clusters launched
+    (`clusters_for`)."""
+    _check_size(cluster)
     device = args[0].device.index
     if device != torch.cuda.current_device():
         with torch.cuda.device(device):
             return launch(kernel, rows, cluster, *args, **kwargs)
+    bound, (compiled, words, packed, fits) = _prepared(kernel, device, cluster, args, kwargs)
+    clusters = min(fits, rows) if kwargs.get("PERSISTENT", True) else rows
+    bound["WORDS"], bound["ROUNDS"] = words, -(-rows // clusters)
+    # the launcher launches clusters x cluster CTAs, in clusters of packed[1]
+    compiled.run(clusters, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function, packed,
+                 None, None, None, *bound.values())
+    return clusters
+
+
+def clusters_for(kernel, rows: int, cluster: int, *args, **kwargs) -> int:
+    """The clusters `launch` runs with these arguments (compiling the kernel the first time),
+    for a kernel that writes a result per cluster into a buffer the caller sizes first; the
+    buffer's own argument may be any tensor of its dtype and alignment."""
+    _check_size(cluster)
+    device = args[0].device.index
+    with torch.cuda.device(device):
+        fits = _prepared(kernel, device, cluster, args, kwargs)[1][3]
+    return min(fits, rows) if kwargs.get("PERSISTENT", True) else rows
+
+
+def _prepared(kernel, device, cluster, args, kwargs):
+    """(bound arguments, (compiled kernel, the words' offset, packed metadata, clusters that
+    fit)) for this specialisation, compiled and measured once."""
 
     def prepare(compiled):
         # the exchange's words go past Triton's shared memory, 16-byte aligned
@@ -198,9 +221,9 @@ def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> None:
             raise RuntimeError(f"pintail: no cluster of {cluster} CTAs of {kernel.__name__} fits on this GPU")
         return compiled, words, (compiled.metadata.num_warps, cluster, shared), fits
 
-    bound, (compiled, words, packed, fits) = compiled_for(kernel, device, (cluster,), args, kwargs, prepare)
-    clusters = min(fits, rows) if kwargs.get("PERSISTENT", True) else rows
-    bound["WORDS"], bound["ROUNDS"] = words, -(-rows // clusters)
-    # the launcher launches clusters x cluster CTAs, in clusters of packed[1]
-    compiled.run(clusters, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function, packed,
-                 None, None, None, *bound.values())
+    return compiled_for(kernel, device, (cluster,), args, kwargs, prepare)
+
+
+def _check_size(cluster):
+    if not 2 <= cluster <= MAX_CLUSTER:
+        raise ValueError(f"pintail: a cluster of {cluster} CTAs; expected 2 to {MAX_CLUSTER}")

@@ -26,6 +26,11 @@ Kernels, five plans by row length N (tables at the end of the kernels):
 - blocks (RMSNorm backward, rows past the rows plan): ticket-ordered (block of rows, slice)
   pairs; a block's slices exchange each row's sum of g x^ and write dx from registers: x
   and dy read once, dx written once.
+- cluster (backward of rows of 8193-32768 without a residual's gradient, GPUs with
+  thread-block clusters): a row across the CTAs of a cluster (pintail/_cluster.py), each
+  holding its slice of x and dy, the slices' sums of g and g x^ traded through distributed
+  shared memory; x and dy read once, dx written once, one partial row of dweight / dbias a
+  cluster.
 The backward's partial rows of dweight / dbias are summed in a fixed order by one more
 kernel (deterministic: no atomics), which writes them in the parameters' dtypes.
 Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
@@ -38,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _split as split, reference
+from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
                       pack_pairs, packs_into_words, program_slots, row_alignment, runs_kernels, unit_stride,
                       unpack_pairs, whole_tiles)
@@ -578,6 +583,68 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
         ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
+                             x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset, WORDS, ROUNDS,
+                             RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             HAS_DH: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
+                             CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr):
+    # Rows across the CLUSTER CTAs of a cluster (softmax's cluster plan): CTA `rank` holds
+    # slice `rank` of the row's x and dy, trades the slice's sums of g and g x^ with its
+    # peers, writes its slice of dx, and adds dy x^ (and dy) of its columns over the rows its
+    # cluster takes: one float32 partial row a cluster for _sum_partials_kernel. AHEAD: the
+    # next row's x and dy are loaded before this row's exchange.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    if AHEAD:
+        mask = col_mask & (first_row < M)
+        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
+    real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # the exchange pads its first values with -inf
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
+        in_rows = row < M
+        mask = col_mask & in_rows
+        row64 = row.to(tl.int64)
+        if AHEAD:
+            x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
+            ahead_mask = col_mask & (row64 + clusters < M)
+            x_next = tl.load(x_ptr + (row64 + clusters) * x_row_stride + cols, mask=ahead_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + (row64 + clusters) * dy_row_stride + cols, mask=ahead_mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
+        if RMS:
+            x_hat = x * rstd
+        else:
+            x_hat = tl.where(mask, x - tl.load(mean_ptr + row, mask=in_rows, other=0.0), 0.0) * rstd
+        if HAS_WEIGHT:  # re-read each row (from L1 / L2): its registers are not held across rows
+            g = dy * (tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset)
+        else:
+            g = dy
+        sums_g, sums_gx, token = cluster.exchange(WORDS, i, tl.sum(g, axis=0), tl.sum(g * x_hat, axis=0), token,
+                                                  CLUSTER, CLUSTER_POW2)
+        mean_gx = tl.sum(sums_gx, axis=0) * inv_n
+        if RMS:
+            dx = rstd * (g - x_hat * mean_gx)
+        else:
+            dx = rstd * (g - tl.sum(tl.where(real, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
+        if HAS_DH:
+            dx += tl.load(dh_ptr + row64 * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row64 * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        db += dy
+    part = first_row.to(tl.int64) * N + cols
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + part, dw, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part, db, mask=col_mask)
+
+
 @triton.jit
 def _publish_sum_gx(slots_ptr, x_raw, dy_raw, w_eff, rstd_ptr, row, SLICES, slice_index):
     """(1.0, sum of g x^ over the slice) for the slice's word of `row` (1.0: never 0)."""
@@ -682,6 +749,16 @@ BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_war
 # 262144 (8192 / 16 warps, 1 per SM), against 0.53 for the config above; at 65536 that one
 # stays best (0.73 against 0.71 / 0.66). (row length up to, slice, warps, programs per SM).
 BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf, 8192, 16, 1)]
+# Rows of 8193-32768 without a residual's gradient go across a thread-block cluster where the
+# GPU has clusters (_backward_cluster_kernel), by kind: (row length up to, slice, warps, AHEAD).
+# Kernel alone, H200, bf16 (scripts/exp_norm_cluster.py, session 17, the experiment's forms
+# with the next row loaded ahead): RMSNorm 0.83 / 0.81 at 16384 / 32768 against the blocks
+# plan's 0.62 / 0.63 (without loading ahead 0.77 / 0.70); LayerNorm 0.77-0.78 / 0.75 against
+# the long plan's 0.55 / 0.55. Not yet measured in the library kernel (device_run.sh
+# experiments 18 19 sweep it). Longer rows: 0.76 / 0.70 at 131072 with loading ahead (not
+# taken yet), and the residual's gradient is not measured.
+BACKWARD_CLUSTER = {"rms": [(16384, 2048, 4, True), (32768, 8192, 16, True)],
+                    "layer": [(16384, 2048, 4, True), (32768, 4096, 8, True)]}
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -713,12 +790,17 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False):
     return FORWARD_SPLIT[kind]
 
 
-def backward_config(N, rms, dh=False):
+def backward_config(N, rms, dh=False, clusters=False):
+    """The backward's plan for rows of N; dh: with a residual's gradient; clusters: the GPU
+    runs thread-block clusters (_cluster.available)."""
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
+    for limit, block, warps, ahead in BACKWARD_CLUSTER[_kind(rms)] if clusters and not dh else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
     cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
     if cfg["plan"] == "blocks" and dh:
         block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if N <= entry[0])
@@ -800,7 +882,7 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         if grad is not None and (grad.shape != x.shape or grad.stride(-1) != 1):
             raise ValueError(f"norm backward: a gradient of shape {tuple(grad.shape)}, strides {grad.stride()}; "
                              f"expected ({M}, {N}) rows with unit feature stride")
-    cfg = config or backward_config(N, rms, dh is not None)
+    cfg = config or backward_config(N, rms, dh is not None, cluster.available(x.device))
     if cfg["plan"] == "blocks":
         # The interpreter runs one program at a time, which cannot meet another: a slice per row.
         block = cfg["BLOCK"] if not INTERPRET else next_power_of_2(N)
@@ -811,6 +893,9 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         # gradient and a bias it takes 166: 3 per SM, not the 4 the grid counts on).
         if slices > program_slots(x.device, 1):
             cfg = BACKWARD_LONG
+    if cfg["plan"] == "cluster":
+        return _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, cfg, dx,
+                                        dweight_dtype, dbias_dtype)
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
         parts = max(1, min(cdiv(M, cfg["BLOCK_M"]), program_slots(x.device, cfg["PROGRAMS_PER_SM"])))
@@ -847,6 +932,30 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         launch(_backward_chunks_kernel, (parts, chunks), x, w, dy, dh_or_dy, mean, rstd, sums, *outputs, M, N,
                1.0 / N, cdiv(M, parts), *strides, RMS=rms, **flags, ONE_CHUNK=chunks == 1, BLOCK=block,
                EVEN=N % block == 0)
+    return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
+
+
+def _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, cfg, dx,
+                             dweight_dtype, dbias_dtype):
+    """The cluster plan of _backward: one partial row of dweight / dbias a cluster, so the
+    clusters are counted before those rows are made."""
+    M, N = x.shape
+    ctas = cdiv(N, cfg["BLOCK"])
+    w = weight if weight is not None else x
+    dh_or_dy = dh if dh is not None else dy
+
+    def args(dw, db):
+        return (x, w, dy, dh_or_dy, mean if mean.numel() else rstd, rstd, dx, dw, db, M, N, 1.0 / N, x.stride(0),
+                dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset, 0, 1)
+
+    flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, BLOCK=cfg["BLOCK"],
+                 CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"])
+    # rstd stands in for the partial rows while counting: float32, and aligned as they will be
+    parts = cluster.clusters_for(_backward_cluster_kernel, M, ctas, *args(rstd, rstd), **flags)
+    dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
+    cluster.launch(_backward_cluster_kernel, M, ctas, *args(dw if dw is not None else rstd,
+                                                            db if db is not None else rstd), **flags)
     return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
 
 

@@ -55,6 +55,11 @@ def configs(direction, N, rms):
                 for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1),
                                              (2048, 8, 3), (2048, 16, 2))
                 for rows in (16, 32)]
+    if direction == "bwd" and 8192 < N <= 65536:
+        # across a thread-block cluster (2-16 CTAs a row), with and without the next row ahead
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
+                for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 16)) if 2 <= -(-N // block) <= 16
+                for ahead in (False, True)]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
@@ -89,7 +94,7 @@ def main():
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
             default = (norm.forward_config(N, rms, args.residual, packable=not args.residual) if direction == "fwd"
-                       else norm.backward_config(N, rms, args.residual))
+                       else norm.backward_config(N, rms, args.residual, clusters=True))
             residual = torch.randn_like(x) if args.residual else None
             dh = residual if args.residual else None  # the backward's extra read (any values do)
             # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out

@@ -520,6 +520,72 @@ def test_long_rows_plans():
     assert plan(norm_module.backward_config(262144, True)) == ("blocks", 2048)
 
 
+def test_backward_plans_with_clusters():
+    """Where the GPU has thread-block clusters, the backward of rows of 8193-32768 without a
+    residual's gradient goes across a cluster; the other plans stay as they were."""
+    for rms in (True, False):
+        config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
+        assert config(8192)["plan"] == "rows"
+        assert config(8193)["plan"] == config(32768)["plan"] == "cluster"
+        assert config(32769) == norm_module.backward_config(32769, rms)
+        assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
+    assert norm_module.backward_config(16384, True, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 2048, "num_warps": 4, "AHEAD": True}
+    assert norm_module.backward_config(32768, True, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
+    assert norm_module.backward_config(32768, False, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
+
+
+@pytest.fixture
+def cluster_device(device):
+    if not norm_module.cluster.available(torch.device(device)):
+        pytest.skip("thread-block clusters need a GPU of compute capability 9.0+ and compiled kernels")
+    return device
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [8193, 16384, 20001, 32768])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_device):
+    """The cluster plan (rows of 8193-32768, 3 to 16 CTAs, the last slice masked where N is
+    not a multiple of the slice) against float64 torch, through autograd: more rows than
+    clusters fit, so each cluster's partial row of dweight / dbias adds up many rows."""
+    x = torch.randn(600, N, device=cluster_device, dtype=dtype) * 2 + 0.5
+    w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
+    b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
+    launched = []
+    real_launch = norm_module.cluster.launch
+
+    def recording_launch(kernel, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    check(kind, x, (N,), w, b)
+    assert launched == ["_backward_cluster_kernel"]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_backward_across_a_cluster_is_deterministic(ahead, cluster_device):
+    """dweight / dbias: the same bits on every run (a fixed partial row a cluster, summed in
+    a fixed order), with and without the next row loaded ahead; dx against float64 torch."""
+    M, N = 1000, 12289
+    x = torch.randn(M, N, device=cluster_device, dtype=torch.bfloat16)
+    w, b = torch.randn(N, device=cluster_device), torch.randn(N, device=cluster_device)
+    dy = torch.randn(M, N, device=cluster_device, dtype=torch.bfloat16)
+    _, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
+    cfg = {**norm_module.backward_config(N, False, clusters=True), "AHEAD": ahead}
+    first = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
+    again = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
+    assert all(torch.equal(g, g2) for g, g2 in zip(first, again))
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(F.layer_norm(x64, (N,), w64, b64, 1e-5), (x64, w64, b64), dy.double())
+    for g, g64 in zip(first, want):
+        assert_matches(g, g64, g64.to(g.dtype), unit=1.0)
+
+
 def test_row_alignment():
     """The kernels' ALIGN: the largest power of 2 up to 8 dividing the row length and every
     row stride (a stride of 0, an expanded row, divides by anything); 1 where 16 divides them
