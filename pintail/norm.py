@@ -751,14 +751,13 @@ BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_war
 BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf, 8192, 16, 1)]
 # Rows of 8193-32768 without a residual's gradient go across a thread-block cluster where the
 # GPU has clusters (_backward_cluster_kernel), by kind: (row length up to, slice, warps, AHEAD).
-# Kernel alone, H200, bf16 (scripts/exp_norm_cluster.py, session 17, the experiment's forms
-# with the next row loaded ahead): RMSNorm 0.83 / 0.81 at 16384 / 32768 against the blocks
-# plan's 0.62 / 0.63 (without loading ahead 0.77 / 0.70); LayerNorm 0.77-0.78 / 0.75 against
-# the long plan's 0.55 / 0.55. Not yet measured in the library kernel (device_run.sh
-# experiments 18 19 sweep it). Longer rows: 0.76 / 0.70 at 131072 with loading ahead (not
-# taken yet), and the residual's gradient is not measured.
+# Kernel alone, H200, bf16 (tune_norm.py, session 18, the next row loaded ahead in every
+# entry): RMSNorm 0.81 / 0.82 / 0.78 / 0.81 at 12288 / 16384 / 24576 / 32768 against the
+# blocks plan's 0.63 at 16384 (without loading ahead at most 0.77 / 0.70); LayerNorm 0.74 /
+# 0.77 / 0.74 / 0.74 against the long plan's 0.56. Longer rows: 0.76 / 0.70 at 131072 in
+# session 17's experiment (not taken yet), and the residual's gradient is not measured.
 BACKWARD_CLUSTER = {"rms": [(16384, 2048, 4, True), (32768, 8192, 16, True)],
-                    "layer": [(16384, 2048, 4, True), (32768, 4096, 8, True)]}
+                    "layer": [(12288, 4096, 8, True), (16384, 8192, 16, True), (32768, 4096, 8, True)]}
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -799,7 +798,7 @@ def backward_config(N, rms, dh=False, clusters=False):
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
     for limit, block, warps, ahead in BACKWARD_CLUSTER[_kind(rms)] if clusters and not dh else ():
-        if N <= limit:
+        if N <= limit and N > block:  # a row of one slice is no cluster
             return {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
     cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
     if cfg["plan"] == "blocks" and dh:

@@ -16,7 +16,7 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
     RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk); 'long' sends
-    every forward to the long plan with short chunks and empties the backward's rows tables
+    every forward to the long plan with short chunks and empties the backward's rows and cluster tables
     (both norms' backward take the long plan); 'split' does too and sends the forward to the split
     plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
     LONG_BLOCK; the interpreter cuts no row into slices)."""
@@ -24,6 +24,7 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
                                                            for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
@@ -535,6 +536,8 @@ def test_backward_plans_with_clusters():
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
     assert norm_module.backward_config(32768, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
+    assert norm_module.backward_config(16384, False, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
 
 
 @pytest.fixture
@@ -549,7 +552,7 @@ def cluster_device(device):
 @pytest.mark.parametrize("N", [8193, 16384, 20001, 32768])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_device):
-    """The cluster plan (rows of 8193-32768, 3 to 16 CTAs, the last slice masked where N is
+    """The cluster plan (rows of 8193-32768, 2 to 8 CTAs, the last slice masked where N is
     not a multiple of the slice) against float64 torch, through autograd: more rows than
     clusters fit, so each cluster's partial row of dweight / dbias adds up many rows."""
     x = torch.randn(600, N, device=cluster_device, dtype=dtype) * 2 + 0.5
