@@ -562,6 +562,58 @@ def one_shot_forward(x, block, warps, relaxed):
     return y
 
 
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_early_wait_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, BLOCK: tl.constexpr,
+                               CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, EARLY: tl.constexpr):
+    # The library's one row a cluster (8192 / 4 warps at 80 registers), with the start's
+    # cluster barrier split as quack splits it: arrive (relaxed) right after the mbarriers'
+    # initialisation, wait only before the first send, so the slice's loads and its max and
+    # sum run while the peers arrive. EARLY False: arrive and wait together (the library's).
+    cta = tl.program_id(0)
+    token = tl.inline_asm_elementwise(_INIT_BARRIERS, "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
+    token = _cluster_arrive(token, False)
+    if not EARLY:
+        token = _cluster_wait(token)
+    rank, row = cta % CLUSTER, (cta // CLUSTER).to(tl.int64)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    slice_max = tl.max(x, axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+    e = tl.exp2((x - shift) * LOG2E)
+    part = tl.sum(e, axis=0)
+    if EARLY:  # after the slice's sum (a data dependence keeps the wait behind the loads)
+        token = _cluster_wait(token + (part != part).to(tl.int32))
+    maxes, sums, token = cluster_.exchange(WORDS, 0, slice_max, part, token, CLUSTER, CLUSTER_POW2)
+    row_max = tl.max(maxes, axis=0)
+    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def early_wait_forward(x, block, warps, early, maxnreg=None):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
+    kw = dict(BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), EARLY=early, num_warps=warps)
+    if maxnreg:
+        kw["maxnreg"] = maxnreg
+
+    def prepare(compiled):  # as cluster_.launch's, for a grid of M clusters
+        words = -(-compiled.metadata.shared // 16) * 16
+        shared = words + cluster_.words_bytes(ctas)
+        cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)  # sets the attributes
+        return compiled, words, (compiled.metadata.num_warps, ctas, shared)
+
+    bound, (compiled, words, packed) = launch_.compiled_for(_forward_early_wait_kernel, x.device.index, (ctas,), args,
+                                                            kw, prepare)
+    bound["WORDS"] = words
+    compiled.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed, None, None, None,
+                 *bound.values())
+    return y
+
+
 def library_forward(x, log, block, warps, maxnreg=None):
     """The library's cluster forward, launched directly (a register cap as an option)."""
     M, N = x.shape
@@ -619,6 +671,11 @@ FORMS = {
                                   lambda x, b=b, w=w, r=r: cluster_packed_forward(x, b, w, False, r), False)
                                  for b, w, r in ((8192, 4, None), (8192, 4, 64), (8192, 8, None), (16384, 8, None),
                                                  (16384, 8, 64), (16384, 16, None))],
+    # session 18: one row a cluster with the start's barrier split (arrive early, wait before
+    # the first send), against the same kernel with both together
+    "early-wait": lambda N: [(f"early-wait {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}{' early' if e else ''}",
+                              lambda x, b=b, w=w, r=r, e=e: early_wait_forward(x, b, w, e, r), False)
+                             for b, w, r in ((8192, 4, 80), (8192, 8, None), (16384, 8, 80)) for e in (False, True)],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
