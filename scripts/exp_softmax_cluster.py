@@ -541,25 +541,30 @@ def _forward_one_shot_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WOR
     tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def one_shot_forward(x, block, warps, relaxed):
+def one_row_forward(kernel, x, block, **kw):
+    """y from `kernel` (arguments as _forward_one_shot_kernel's, constexprs in kw) on a grid of
+    one cluster a row: cluster_.launch's launch for kernels without its PERSISTENT flag."""
     M, N = x.shape
     y = torch.empty_like(x)
     ctas = triton.cdiv(N, block)
     args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
-    kw = dict(BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), RELAXED=relaxed, num_warps=warps)
+    kw = dict(kw, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas))
 
-    def prepare(compiled):  # as cluster_.launch's, for a grid of M clusters
+    def prepare(compiled):  # as cluster_.launch's
         words = -(-compiled.metadata.shared // 16) * 16
         shared = words + cluster_.words_bytes(ctas)
         cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)  # sets the attributes
         return compiled, words, (compiled.metadata.num_warps, ctas, shared)
 
-    bound, (compiled, words, packed) = launch_.compiled_for(_forward_one_shot_kernel, x.device.index, (ctas,), args,
-                                                            kw, prepare)
+    bound, (compiled, words, packed) = launch_.compiled_for(kernel, x.device.index, (ctas,), args, kw, prepare)
     bound["WORDS"] = words
     compiled.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed, None, None, None,
                  *bound.values())
     return y
+
+
+def one_shot_forward(x, block, warps, relaxed):
+    return one_row_forward(_forward_one_shot_kernel, x, block, RELAXED=relaxed, num_warps=warps)
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
@@ -592,26 +597,8 @@ def _forward_early_wait_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, W
 
 
 def early_wait_forward(x, block, warps, early, maxnreg=None):
-    M, N = x.shape
-    y = torch.empty_like(x)
-    ctas = triton.cdiv(N, block)
-    args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
-    kw = dict(BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas), EARLY=early, num_warps=warps)
-    if maxnreg:
-        kw["maxnreg"] = maxnreg
-
-    def prepare(compiled):  # as cluster_.launch's, for a grid of M clusters
-        words = -(-compiled.metadata.shared // 16) * 16
-        shared = words + cluster_.words_bytes(ctas)
-        cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)  # sets the attributes
-        return compiled, words, (compiled.metadata.num_warps, ctas, shared)
-
-    bound, (compiled, words, packed) = launch_.compiled_for(_forward_early_wait_kernel, x.device.index, (ctas,), args,
-                                                            kw, prepare)
-    bound["WORDS"] = words
-    compiled.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed, None, None, None,
-                 *bound.values())
-    return y
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    return one_row_forward(_forward_early_wait_kernel, x, block, EARLY=early, num_warps=warps, **extra)
 
 
 def library_forward(x, log, block, warps, maxnreg=None):
