@@ -280,6 +280,24 @@ launch_ = importlib.import_module("pintail._launch")
 cluster_ = importlib.import_module("pintail._cluster")
 
 
+@triton.jit
+def _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16: tl.constexpr, CLUSTER: tl.constexpr,
+                                   CLUSTER_POW2: tl.constexpr):
+    # softmax of this CTA's slice of row i, held as words of two 16-bit values and unpacked
+    # for each pass (`zero & bits` keeps the compiler from holding the float32 values): y's words
+    low, high = launch_.unpack_pairs(packed, BF16)
+    slice_max = tl.max(tl.maximum(low, high), axis=0)
+    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+    low, high = launch_.unpack_pairs(packed ^ (zero & slice_max.to(tl.int32, bitcast=True)), BF16)
+    part = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
+    maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
+    row_max = tl.max(maxes, axis=0)
+    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    low, high = launch_.unpack_pairs(packed ^ (zero & log2_total.to(tl.int32, bitcast=True)), BF16)
+    return launch_.pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
+                              tl.exp2((high - row_max) * LOG2E - log2_total), BF16), token
+
+
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero, WORDS, ROUNDS,
                                    BF16: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
@@ -294,17 +312,7 @@ def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_strid
         mask = (words < N // 2) & (row < M)
         packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (x_row_stride // 2) + words,
                          mask=mask, other=launch_.NEG_INF_BF16_PAIR if BF16 else launch_.NEG_INF_FP16_PAIR)
-        low, high = launch_.unpack_pairs(packed, BF16)
-        slice_max = tl.max(tl.maximum(low, high), axis=0)
-        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
-        low, high = launch_.unpack_pairs(packed ^ (zero & slice_max.to(tl.int32, bitcast=True)), BF16)
-        part = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
-        maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
-        row_max = tl.max(maxes, axis=0)
-        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
-        low, high = launch_.unpack_pairs(packed ^ (zero & log2_total.to(tl.int32, bitcast=True)), BF16)
-        y = launch_.pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
-                               tl.exp2((high - row_max) * LOG2E - log2_total), BF16)
+        y, token = _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16, CLUSTER, CLUSTER_POW2)
         tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (y_row_stride // 2) + words, y, mask=mask)
 
 
@@ -316,6 +324,43 @@ def cluster_packed_forward(x, block, warps, persistent=True, maxnreg=None):
     cluster_.launch(_forward_cluster_packed_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
                     BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
                     CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=persistent, num_warps=warps, **extra)
+    return y
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_packed_ahead_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero, WORDS, ROUNDS,
+                                 BF16: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
+                                 CLUSTER_POW2: tl.constexpr):
+    # Session 18: persistent clusters loading the next row ahead (the library's form at
+    # 131073-262144), both slices held as words of two 16-bit values: the row ahead costs
+    # 16 bits an element as in the library, the current row 16 more where the library holds
+    # 32, so more CTAs an SM (more bytes in flight) at two exps an element.
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
+    words = rank * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    in_row = words < N // 2
+    other = launch_.NEG_INF_BF16_PAIR if BF16 else launch_.NEG_INF_FP16_PAIR
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    packed_next = tl.load(x_words + first_row.to(tl.int64) * (x_row_stride // 2) + words,
+                          mask=in_row & (first_row < M), other=other)
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters
+        packed = packed_next
+        next_row = row + clusters
+        packed_next = tl.load(x_words + next_row.to(tl.int64) * (x_row_stride // 2) + words,
+                              mask=in_row & (next_row < M), other=other)
+        y, token = _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16, CLUSTER, CLUSTER_POW2)
+        tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (y_row_stride // 2) + words, y,
+                 mask=in_row & (row < M))
+
+
+def packed_ahead_forward(x, block, warps, maxnreg=None):
+    M, N = x.shape
+    y = torch.empty_like(x)
+    ctas = triton.cdiv(N, block)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    cluster_.launch(_forward_packed_ahead_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
+                    BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
+                    CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
     return y
 
 
@@ -663,6 +708,12 @@ FORMS = {
     "early-wait": lambda N: [(f"early-wait {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}{' early' if e else ''}",
                               lambda x, b=b, w=w, r=r, e=e: early_wait_forward(x, b, w, e, r), False)
                              for b, w, r in ((8192, 4, 80), (8192, 8, None), (16384, 8, 80)) for e in (False, True)],
+    # session 18, prepared: persistent clusters loading the next row ahead, both slices as words
+    # (registers on the CPU machine: 130 / 127 / 107 uncapped at 8192 / 4, 16384 / 8, 32768 / 16
+    # warps; held to 80: no spill, 8 bytes, 8 bytes)
+    "packed-ahead": lambda N: [(f"packed-ahead {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}",
+                                lambda x, b=b, w=w, r=r: packed_ahead_forward(x, b, w, r), False)
+                               for b, w in ((8192, 4), (16384, 8), (32768, 16)) for r in (None, 80)],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
