@@ -9,7 +9,7 @@ Backward, with g = dy * w_eff:
 A fused residual (pre-norm blocks): h = x + residual is normalised and returned too; the
 gradient reaching h from downstream adds to dx (and is also the residual's gradient).
 
-Kernels, five plans by row length N (tables at the end of the kernels):
+Kernels, six plans by row length N (tables at the end of the kernels):
 - rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row.
