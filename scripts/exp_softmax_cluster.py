@@ -353,11 +353,17 @@ def _forward_packed_ahead_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
                  mask=in_row & (row < M))
 
 
-def packed_ahead_forward(x, block, warps, maxnreg=None):
+def packed_ahead_forward(x, block, warps, maxnreg=None, rounds=None):
+    """rounds None: as many clusters as fit, taking the rows in turn; else cdiv(M, rounds)
+    clusters of `rounds` rows each (the GPU starting a cluster where one ended, as one row a
+    cluster, with the start paid once every `rounds` rows and a row ahead in flight)."""
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    if rounds:
+        return fixed_grid_forward(_forward_packed_ahead_kernel, x, block, rounds, (0,), BF16=x.dtype == torch.bfloat16,
+                                  num_warps=warps, **extra)
     M, N = x.shape
     y = torch.empty_like(x)
     ctas = triton.cdiv(N, block)
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(_forward_packed_ahead_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
                     BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
                     CLUSTER_POW2=triton.next_power_of_2(ctas), num_warps=warps, **extra)
@@ -586,13 +592,15 @@ def _forward_one_shot_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WOR
     tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def one_row_forward(kernel, x, block, **kw):
-    """y from `kernel` (arguments as _forward_one_shot_kernel's, constexprs in kw) on a grid of
-    one cluster a row: cluster_.launch's launch for kernels without its PERSISTENT flag."""
+def fixed_grid_forward(kernel, x, block, rounds=1, extra=(), **kw):
+    """y from `kernel` (arguments as _forward_one_shot_kernel's, with `extra` before WORDS,
+    constexprs in kw) on a grid of cdiv(M, rounds) clusters, each taking `rounds` rows (1:
+    one cluster a row): cluster_.launch's launch with the grid fixed by the rows rather than
+    by the clusters that fit at once."""
     M, N = x.shape
     y = torch.empty_like(x)
     ctas = triton.cdiv(N, block)
-    args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
+    args = (x, y, M, N, x.stride(0), y.stride(0), *extra, 0, rounds)
     kw = dict(kw, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas))
 
     def prepare(compiled):  # as cluster_.launch's
@@ -603,13 +611,13 @@ def one_row_forward(kernel, x, block, **kw):
 
     bound, (compiled, words, packed) = launch_.compiled_for(kernel, x.device.index, (ctas,), args, kw, prepare)
     bound["WORDS"] = words
-    compiled.run(M, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed, None, None, None,
-                 *bound.values())
+    compiled.run(triton.cdiv(M, rounds), 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed,
+                 None, None, None, *bound.values())
     return y
 
 
 def one_shot_forward(x, block, warps, relaxed):
-    return one_row_forward(_forward_one_shot_kernel, x, block, RELAXED=relaxed, num_warps=warps)
+    return fixed_grid_forward(_forward_one_shot_kernel, x, block, RELAXED=relaxed, num_warps=warps)
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
@@ -643,7 +651,7 @@ def _forward_early_wait_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, W
 
 def early_wait_forward(x, block, warps, early, maxnreg=None):
     extra = {"maxnreg": maxnreg} if maxnreg else {}
-    return one_row_forward(_forward_early_wait_kernel, x, block, EARLY=early, num_warps=warps, **extra)
+    return fixed_grid_forward(_forward_early_wait_kernel, x, block, EARLY=early, num_warps=warps, **extra)
 
 
 def library_forward(x, log, block, warps, maxnreg=None):
@@ -710,10 +718,13 @@ FORMS = {
                              for b, w, r in ((8192, 4, 80), (8192, 8, None), (16384, 8, 80)) for e in (False, True)],
     # session 18, prepared: persistent clusters loading the next row ahead, both slices as words
     # (registers on the CPU machine: 130 / 127 / 107 uncapped at 8192 / 4, 16384 / 8, 32768 / 16
-    # warps; held to 80: no spill, 8 bytes, 8 bytes)
-    "packed-ahead": lambda N: [(f"packed-ahead {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}",
-                                lambda x, b=b, w=w, r=r: packed_ahead_forward(x, b, w, r), False)
-                               for b, w in ((8192, 4), (16384, 8), (32768, 16)) for r in (None, 80)],
+    # warps; held to 80: no spill, 8 bytes, 8 bytes); `rounds` k: a grid of M / k clusters of k
+    # rows each, rather than as many clusters as fit
+    "packed-ahead": lambda N: [(f"packed-ahead {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}"
+                                + (f" {k} rows a cluster" if k else ""),
+                                lambda x, b=b, w=w, r=r, k=k: packed_ahead_forward(x, b, w, r, k), False)
+                               for b, w in ((8192, 4), (16384, 8), (32768, 16)) for r in (None, 80)
+                               for k in ((None, 2, 4) if r else (None,))],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
