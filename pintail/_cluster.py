@@ -189,7 +189,7 @@ def launch(kernel, rows: int, cluster: int, *args, **kwargs) -> int:
         with torch.cuda.device(device):
             return launch(kernel, rows, cluster, *args, **kwargs)
     bound, (compiled, words, packed, fits) = _prepared(kernel, device, cluster, args, kwargs)
-    clusters = min(fits, rows) if kwargs.get("PERSISTENT", True) else rows
+    clusters = _grid(fits, rows, kwargs)
     bound["WORDS"], bound["ROUNDS"] = words, -(-rows // clusters)
     # the launcher launches clusters x cluster CTAs, in clusters of packed[1]
     compiled.run(clusters, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function, packed,
@@ -205,6 +205,12 @@ def clusters_for(kernel, rows: int, cluster: int, *args, **kwargs) -> int:
     device = args[0].device.index
     with torch.cuda.device(device):
         fits = _prepared(kernel, device, cluster, args, kwargs)[1][3]
+    return _grid(fits, rows, kwargs)
+
+
+def _grid(fits, rows, kwargs):
+    """The clusters of a launch: as many as fit at once (at most one a row), or one a row
+    where the kernel's constexpr PERSISTENT is False."""
     return min(fits, rows) if kwargs.get("PERSISTENT", True) else rows
 
 

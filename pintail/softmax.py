@@ -396,8 +396,7 @@ FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Past CLUSTER_PAST elements, where the GPU has thread-block clusters, rows go across a
-# cluster as the tables below say (row length up to, the cluster plan's config; None: the
-# plans above). PERSISTENT: as many clusters as fit at once take the rows in turn, loading
+# cluster as the tables below say (row length up to, the cluster plan's config). PERSISTENT: as many clusters as fit at once take the rows in turn, loading
 # the next row's slice ahead; else one cluster a row (_forward_cluster_kernel).
 CLUSTER_PAST = 16384
 # Forward, kernel alone, H200, bf16 (tune_softmax.py --plans cluster,two_pass,rows, session
@@ -451,11 +450,11 @@ def _config(N, rows_table, split):
 
 
 def _across_cluster(N, cfg, table, clusters):
-    """The cluster plan from `table` (row length up to, config or None) for rows past
-    CLUSTER_PAST, where the GPU runs clusters; else `cfg`."""
+    """The cluster plan from `table` (row length up to, config) for rows past CLUSTER_PAST,
+    where the GPU runs clusters; else `cfg`."""
     for limit, cluster_cfg in table if clusters and N > CLUSTER_PAST else ():
         if N <= limit:
-            return {"plan": "cluster", **cluster_cfg} if cluster_cfg else cfg
+            return {"plan": "cluster", **cluster_cfg}
     return cfg
 
 

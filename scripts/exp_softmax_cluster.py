@@ -294,8 +294,7 @@ def _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16: tl.const
     row_max = tl.max(maxes, axis=0)
     log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
     low, high = launch_.unpack_pairs(packed ^ (zero & log2_total.to(tl.int32, bitcast=True)), BF16)
-    return launch_.pack_pairs(tl.exp2((low - row_max) * LOG2E - log2_total),
-                              tl.exp2((high - row_max) * LOG2E - log2_total), BF16), token
+    return sm.packed_output(low, high, row_max, log2_total, False, BF16), token
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
