@@ -63,18 +63,30 @@ def words_bytes(cluster: int) -> int:
 
 
 @triton.jit
-def start(WORDS, CLUSTER: tl.constexpr):
+def start(WORDS, CLUSTER: tl.constexpr, WAIT: tl.constexpr = True):
     """(rank in the cluster, cluster index, clusters in the grid, a token for ordering):
     thread 0 initialises the mbarriers (one arrival a phase: its own expect_tx), then the
     whole cluster syncs, so no word is sent to a barrier not yet initialised. The arrive is
     relaxed: fence.mbarrier_init already releases the initialisation to the cluster, and a
     release arrive costs a fence of the whole GPU (MEMBAR.ALL.GPU), once a row where a
-    cluster takes one row (one-shot forward at 32768: 0.81 against 0.95 relaxed)."""
+    cluster takes one row (one-shot forward at 32768: 0.81 against 0.95 relaxed). WAIT False:
+    only arrive here; the kernel must call `wait` before its first send, and may load and
+    reduce its slice in between while its peers start (the cluster's round trip hidden)."""
     cta = tl.program_id(0)
     token = tl.inline_asm_elementwise(_INIT_BARRIERS, "=r,r,r", [WORDS, cta], dtype=tl.int32, is_pure=False, pack=1)
-    token = tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nbarrier.cluster.wait.acquire;\nmov.b32 $0, $1;",
+    token = tl.inline_asm_elementwise("barrier.cluster.arrive.relaxed;\nmov.b32 $0, $1;",
                                       "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
+    if WAIT:
+        token = wait(token)
     return cta % CLUSTER, cta // CLUSTER, tl.num_programs(0) // CLUSTER, token
+
+
+@triton.jit
+def wait(token):
+    """The wait of `start`'s cluster barrier: every CTA of the cluster has initialised its
+    mbarriers. A new token."""
+    return tl.inline_asm_elementwise("barrier.cluster.wait.acquire;\nmov.b32 $0, $1;", "=r,r", [token],
+                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

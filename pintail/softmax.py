@@ -108,7 +108,7 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, LOG: tl.constexpr,
                             BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr,
-                            PERSISTENT: tl.constexpr):
+                            PERSISTENT: tl.constexpr, LATE_WAIT: tl.constexpr = False):
     # A row across the CLUSTER CTAs of a cluster (pintail/_cluster.py): CTA `rank` holds
     # slice `rank` in registers (its exps, for softmax), trades (max, sum of exp(x - max))
     # with its peers through distributed shared memory, and writes its slice of y from the
@@ -116,8 +116,9 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     # after row and loads the next row's slice before this row's exchange, so its bytes are
     # in flight while the CTA waits on its peers and writes y (16 more bits of registers an
     # element). Otherwise one row a cluster: the GPU starts a new cluster where one ended,
-    # and the other clusters on the SM hide the wait.
-    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    # and the other clusters on the SM hide the wait. LATE_WAIT (one row a cluster only): the
+    # CTA waits for its peers to start only once its slice is loaded and summed.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER, WAIT=PERSISTENT or not LATE_WAIT)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     if PERSISTENT:
         x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
@@ -128,23 +129,28 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
             next_row = row + clusters
             x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
                              other=-float("inf"))
-            y, token = _softmax_across_cluster(x, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2)
+            y, token = _softmax_across_cluster(x, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2, False)
             tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
                      mask=(cols < N) & (row < M))
     else:
         row = first_row.to(tl.int64)
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        y, token = _softmax_across_cluster(x, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2)
+        y, token = _softmax_across_cluster(x, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2, LATE_WAIT)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
-def _softmax_across_cluster(x, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
-    """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32)."""
+def _softmax_across_cluster(x, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr,
+                            WAIT: tl.constexpr):
+    """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32).
+    WAIT: first finish `cluster.start`'s barrier (started with WAIT False)."""
     slice_max = tl.max(x, axis=0)
     shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
     e = tl.exp2((x - shift) * LOG2E)
-    maxes, sums, token = cluster.exchange(WORDS, i, slice_max, tl.sum(e, axis=0), token, CLUSTER, CLUSTER_POW2)
+    part = tl.sum(e, axis=0)
+    if WAIT:  # a data dependence on the slice's sum keeps the wait behind its loads
+        token = cluster.wait(token + (part != part).to(tl.int32))
+    maxes, sums, token = cluster.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
     row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
     log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
     if LOG:
@@ -407,9 +413,12 @@ CLUSTER_PAST = 16384
 # 0.90-0.94. One row a cluster needs no registers for the next row, and the GPU starts a
 # cluster where one ended, so the other clusters on an SM hide the exchange. At 262144 it
 # falls to 0.60-0.64 (16 x 16384), so persistent clusters of 8 x 32768 / 16 warps (0.87-0.88)
-# stay there.
+# stay there. Past 65536 (clusters of 9-16 CTAs) each CTA waits for its peers to start only
+# once its slice is loaded and summed (LATE_WAIT; session 19 A/B, two runs each: 0.928 / 0.928
+# against 0.910 / 0.919 at 131072); at 32768 the late wait lost 0.007, at 65536 nothing.
 _ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
-FORWARD_CLUSTER = [(131072, _ONE_ROW_8192), (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
+FORWARD_CLUSTER = [(65536, _ONE_ROW_8192), (131072, {**_ONE_ROW_8192, "LATE_WAIT": True}),
+                   (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
 # float32 (tune_softmax.py --dtype fp32, session 17): one row a cluster of 8192 / 8 warps,
 # 0.95 at 32768 and 0.96 at 131072, against persistent clusters' 0.89 / 0.91; at 262144
 # persistent clusters of 16384 / 32 warps, 0.90 (16 warps 0.89; 32768-element slices spill).
@@ -497,7 +506,8 @@ def launch_forward(x, y, log, config=None):
         ctas = cdiv(N, cfg["BLOCK"])
         cluster.launch(_forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
                        BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
-                       PERSISTENT=cfg["PERSISTENT"], num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
+                       PERSISTENT=cfg["PERSISTENT"], LATE_WAIT=cfg.get("LATE_WAIT", False),
+                       num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])

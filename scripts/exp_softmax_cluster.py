@@ -724,6 +724,16 @@ FORMS = {
                                 lambda x, b=b, w=w, r=r, k=k: packed_ahead_forward(x, b, w, r, k), False)
                                for b, w in ((8192, 4), (16384, 8), (32768, 16)) for r in (None, 80)
                                for k in ((None, 2, 4) if r else (None,))],
+    # session 19: the library's persistent kernel (the next row loaded ahead) on a grid of
+    # M / k clusters of k rows each: the start paid once every k rows, the GPU starting a
+    # cluster where one ended as one row a cluster does
+    "library-rounds": lambda N: [(f"library-rounds {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r} {k} rows a cluster",
+                                  lambda x, b=b, w=w, r=r, k=k: fixed_grid_forward(
+                                      sm._forward_cluster_kernel, x, b, k, LOG=False, PERSISTENT=True, num_warps=w,
+                                      **({"maxnreg": r} if r else {})), False)
+                                 for b, w, r in ((8192, 4, None), (8192, 4, 96), (8192, 8, None), (16384, 8, None),
+                                                 (16384, 16, None))
+                                 for k in (2, 4)],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],

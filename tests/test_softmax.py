@@ -117,15 +117,16 @@ def test_long_rows_forward_plans():
 
 def test_long_rows_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, rows past 16384 elements go across a cluster
-    up to 262144: one row a cluster of 8192-element slices up to 131072, persistent clusters
-    of 32768-element slices past it; float32 rows one a cluster of 8192 up to 131072, then
+    up to 262144: one row a cluster of 8192-element slices up to 131072 (past 65536 waiting
+    for the peers late), persistent clusters of 32768-element slices past it; float32 rows one a cluster of 8192 up to 131072, then
     persistent clusters of 16384. Shorter and longer rows keep their plans."""
     one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
             N, log, item_size, packable, clusters=True)
         assert config(1000)["plan"] == "rows" and config(16384)["plan"] == "rows"
-        assert config(16385) == config(32768) == config(131072) == one_row
+        assert config(16385) == config(32768) == config(65536) == one_row
+        assert config(65537) == config(131072) == {**one_row, "LATE_WAIT": True}
         assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16,
                                                     "PERSISTENT": True}
         assert config(262145)["plan"] == "split"
@@ -188,20 +189,22 @@ def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device)
     assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
 
 
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one_row"])
+@pytest.mark.parametrize("form", [{"PERSISTENT": True}, {"PERSISTENT": False},
+                                  {"PERSISTENT": False, "LATE_WAIT": True}], ids=["persistent", "one_row", "late_wait"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("N, block", [(20000, 4096), (65539, 8192), (200003, 16384)])
-def test_cluster_forms(persistent, op, dtype, N, block, cluster_device):
-    """Both forms of the cluster kernels, whatever the tables pick: persistent clusters taking
-    rows in turn (loading ahead), or one cluster a row; 5 to 13 CTAs a cluster, the last slice
-    masked; forward and backward against torch in float64."""
+def test_cluster_forms(form, op, dtype, N, block, cluster_device):
+    """Every form of the cluster kernels, whatever the tables pick: persistent clusters taking
+    rows in turn (loading ahead), or one cluster a row, waiting for the peers to start at
+    once or after the slice's sum (the forward's LATE_WAIT); 5 to 13 CTAs a cluster, the
+    last slice masked; forward and backward against torch in float64."""
     log = op == "log_softmax"
     x = torch.randn(37, N, device=cluster_device) * 3
     x[0, 1::5] = -float("inf")
     x = x.to(dtype)
     dy = torch.randn_like(x)
-    cfg = {"plan": "cluster", "BLOCK": block, "num_warps": 8, "PERSISTENT": persistent}
+    cfg = {"plan": "cluster", "BLOCK": block, "num_warps": 8, **form}
     y = torch.empty_like(x)
     softmax_module.launch_forward(x, y, log, cfg)
     torch_fn = OPS[op][1]
