@@ -26,11 +26,11 @@ Kernels, six plans by row length N (tables at the end of the kernels):
 - blocks (RMSNorm backward, rows past the rows plan): ticket-ordered (block of rows, slice)
   pairs; a block's slices exchange each row's sum of g x^ and write dx from registers: x
   and dy read once, dx written once.
-- cluster (backward of rows of 8193-32768 without a residual's gradient, GPUs with
-  thread-block clusters): a row across the CTAs of a cluster (pintail/_cluster.py), each
-  holding its slice of x and dy, the slices' sums of g and g x^ traded through distributed
-  shared memory; x and dy read once, dx written once, one partial row of dweight / dbias a
-  cluster.
+- cluster (GPUs with thread-block clusters; the backward of rows of 8193-32768 without a
+  residual's gradient, RMSNorm's forward of rows of 32769-262144 without a residual): a
+  row across the CTAs of a cluster (pintail/_cluster.py), each holding its slice of x (and
+  dy), the slices' sums (of x^2; of g and g x^) traded through distributed shared memory;
+  every tensor read once and written once, one partial row of dweight / dbias a cluster.
 The backward's partial rows of dweight / dbias are summed in a fixed order by one more
 kernel (deterministic: no atomics), which writes them in the parameters' dtypes.
 Means divide by multiplying with 1/N from the host: Triton's float32 division is approximate,
@@ -371,6 +371,38 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride, eps,
+                            weight_offset, WORDS, ROUNDS, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            STATS: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
+                            CLUSTER_POW2: tl.constexpr):
+    # RMSNorm without a residual, a row across the CLUSTER CTAs of a cluster (softmax's
+    # cluster plan), the clusters persistent: CTA `rank` holds slice `rank` of the row in
+    # registers, trades its sum of squares with its peers and writes its slice of y: x read
+    # once, y written once. The weight and bias are re-read each row after the exchange (L1 /
+    # L2), so their registers are not live across it.
+    rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    for i in range(0, ROUNDS):
+        row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
+        in_rows = row < M
+        mask = col_mask & in_rows
+        row64 = row.to(tl.int64)
+        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0), token,
+                                             CLUSTER, CLUSTER_POW2)
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
+        y = x * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if STATS:
+            tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
 
 
 # ---------------------------------------------------------------------------- backward
@@ -723,6 +755,14 @@ RMS_ONE_CHUNK = (24576, 32768, {"plan": "long", "BLOCK": 32768, "num_warps": 32,
 # (_forward_packed_kernel), 16 warps, the output in 4 parts. Kernel alone, H200, bf16
 # (scripts/exp_norm_long_warps.py, session 14): 0.845 at 32768 against the long plan's 0.796.
 LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16, "PARTS": 4})
+# RMSNorm without a residual past 32768, where the GPU has thread-block clusters: persistent
+# clusters (_forward_cluster_kernel), (row length up to, slice, warps). Kernel alone, H200,
+# bf16, a weight (tune_norm.py, session 19): 0.89 / 0.88 / 0.83 at 65536 / 131072 / 262144
+# (4096 / 4, 8192 / 4, 16384 / 8 warps) against the split plan's 0.81 / 0.80 / 0.79; 16 warps
+# a CTA 0.50-0.60. In sessions 17-18's experiment (exp_norm_cluster.py) loading the next row
+# ahead lost (0.84 / 0.80 at 131072 / 262144), and so did one row a cluster (0.77 / 0.70);
+# LayerNorm gained nothing across a cluster (0.65-0.67 against the split plan's 0.68).
+FORWARD_CLUSTER_RMS = [(65536, 4096, 4), (131072, 8192, 4), (262144, 16384, 8)]
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -767,11 +807,12 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
-def forward_config(N, rms, residual=False, narrow=True, packable=False):
+def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters=False):
     """The forward's plan for rows of N. narrow: 2-byte x, weight and y, no bias, rows and
     strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
     register cap. packable: x, y, weight and bias of one 16-bit dtype, rows of even length
-    starting 4-byte aligned (LayerNorm's packed plan)."""
+    starting 4-byte aligned (LayerNorm's packed plan). clusters: the GPU runs thread-block
+    clusters (_cluster.available)."""
     kind = _kind(rms) + ("+residual" if residual else "")
     low, high, one_chunk = RMS_ONE_CHUNK
     if kind == "rms" and narrow and low < N <= high:
@@ -786,6 +827,9 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False):
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
+    for limit, block, warps in FORWARD_CLUSTER_RMS if kind == "rms" and clusters else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
     return FORWARD_SPLIT[kind]
 
 
@@ -827,7 +871,10 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
     packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
-    cfg = config or forward_config(N, rms, residual is not None, narrow, packable)
+    cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device))
+    if cfg["plan"] == "cluster" and not (rms and residual is None):
+        raise ValueError(f"pintail: the forward's cluster plan is RMSNorm's without a residual; got rms={rms}, "
+                         f"residual={'given' if residual is not None else None}")
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
@@ -854,6 +901,12 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
         launch(_forward_long_kernel, (M,), *args, N, 1.0 / N, *strides, **flags, **cap,
                BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align, STATS=stats)
+    elif cfg["plan"] == "cluster":
+        ctas = cdiv(N, cfg["BLOCK"])
+        cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, rstd, M, N, 1.0 / N, x.stride(0),
+                       y.stride(0), eps, weight_offset, 0, 1, HAS_WEIGHT=weight is not None,
+                       HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
+                       CLUSTER_POW2=next_power_of_2(ctas), num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

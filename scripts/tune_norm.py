@@ -60,11 +60,24 @@ def configs(direction, N, rms):
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
                 for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 16)) if 2 <= -(-N // block) <= 16
                 for ahead in (False, True)]
+    if direction == "fwd" and rms and N > 32768:  # RMSNorm across persistent clusters (2-16 CTAs a row)
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps}
+                for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))
+                if 2 <= -(-N // block) <= 16]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
                      "LAG_ROUNDS": lag} for per_sm in (2, 4) for lag in (0.5, 1)]
     return out
+
+
+def forward_plan(N, rms, residual):
+    """The forward's plan on a GPU with clusters; a library from before session 19 (an A/B's
+    other side) has no `clusters` argument."""
+    try:
+        return norm.forward_config(N, rms, residual, packable=not residual, clusters=True)
+    except TypeError:
+        return norm.forward_config(N, rms, residual, packable=not residual)
 
 
 def main():
@@ -93,7 +106,7 @@ def main():
             b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = (norm.forward_config(N, rms, args.residual, packable=not args.residual) if direction == "fwd"
+            default = (forward_plan(N, rms, args.residual) if direction == "fwd"
                        else norm.backward_config(N, rms, args.residual, clusters=True))
             residual = torch.randn_like(x) if args.residual else None
             dh = residual if args.residual else None  # the backward's extra read (any values do)

@@ -16,7 +16,7 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
     RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk); 'long' sends
-    every forward to the long plan with short chunks and empties the backward's rows and cluster tables
+    every forward to the long plan with short chunks and empties the rows and cluster tables
     (both norms' backward take the long plan); 'split' does too and sends the forward to the split
     plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
     LONG_BLOCK; the interpreter cuts no row into slices)."""
@@ -25,6 +25,7 @@ def plan(request, monkeypatch):
                                                            for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_RMS", [])
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
@@ -444,8 +445,8 @@ def test_compile_fullgraph_and_opcheck(device):
 
 @pytest.mark.parametrize("kind, N", [("rms", 262144), ("layer", 262144), ("layer", 32768)])
 def test_past_2_to_the_31_elements(kind, N, device):
-    """Row offsets in int64: 2^31 + 2^21 bf16 elements, through the split plans (262144) and
-    LayerNorm's packed plan (32768); output, dx of a few rows and dweight as torch."""
+    """Row offsets in int64: 2^31 + 2^21 bf16 elements, through the split plans (262144;
+    RMSNorm's cluster plan where the GPU has clusters) and LayerNorm's packed plan (32768); output, dx of a few rows and dweight as torch."""
     if device.type != "cuda":
         pytest.skip("needs 8.6 GB of GPU memory")
     M = 2**31 // N + 2**21 // N
@@ -540,6 +541,31 @@ def test_backward_plans_with_clusters():
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
 
 
+def test_forward_plans_with_clusters():
+    """Where the GPU has thread-block clusters, RMSNorm's forward of rows of 32769-262144
+    without a residual goes across persistent clusters (slices of 4096 to 65536, 8192 to
+    131072, then 16384); with a residual, for LayerNorm, and past 262144 the plans stay as they were."""
+    config = lambda N, rms=True, residual=False: norm_module.forward_config(N, rms, residual, clusters=True)
+    assert config(32768) == norm_module.forward_config(32768, True)
+    assert config(32769) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4}
+    assert config(65537) == config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
+    assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8}
+    for N in (1000, 32769, 262144, 262145):
+        assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
+        assert config(N, rms=False) == norm_module.forward_config(N, False)
+    assert config(262145)["plan"] == "split"
+
+
+@pytest.mark.parametrize("kind, residual", [("rms", True), ("layer", False)])
+def test_forward_cluster_plan_refused_where_it_does_not_apply(kind, residual, device):
+    """The cluster forward normalises RMSNorm rows without a residual only: asked for another
+    case, it raises rather than computing something else."""
+    x = torch.randn(3, 40, device=device)
+    cfg = {"plan": "cluster", "BLOCK": 16, "num_warps": 4}
+    with pytest.raises(ValueError, match="RMSNorm's without a residual"):
+        norm_module._forward(x, x if residual else None, None, None, 1e-6, 0.0, kind == "rms", x.dtype, cfg)
+
+
 @pytest.fixture
 def cluster_device(device):
     if not norm_module.cluster.available(torch.device(device)):
@@ -568,6 +594,50 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
     check(kind, x, (N,), w, b)
     assert launched == ["_backward_cluster_kernel"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [32769, 65536, 131072, 200003, 262144])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias+offset"])
+def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
+    """RMSNorm's forward across persistent clusters (9 to 16 CTAs, the last slice masked
+    where N is not a multiple of the slice), against float64 torch through autograd (the
+    backward takes its own plan from the stored rstd): more rows than clusters fit, so each
+    cluster takes several rows and the last round's rows past M join with zeros."""
+    x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
+    w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
+    b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias+offset" else None
+    launched = launched_kernels(monkeypatch)
+    cluster_launched = []
+    real_launch = norm_module.cluster.launch
+
+    def recording_launch(kernel, *args, **kwargs):
+        cluster_launched.append(kernel.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    check("rms", x, (N,), w, b, weight_offset=1.0 if b is not None else 0.0)
+    assert cluster_launched == ["_forward_cluster_kernel"] and not any("forward" in name for name in launched)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_rms_forward_across_a_cluster_statistics(stats, cluster_device):
+    """rstd as torch computes it for a row of zeros (1 / sqrt(eps)), a row of large values and
+    random rows, stored for training only; y the same either way."""
+    M, N = 40, 131072
+    x = torch.randn(M, N, device=cluster_device, dtype=torch.bfloat16)
+    x[3] = 0
+    x[7] = 3e4
+    w = torch.randn(N, device=cluster_device, dtype=torch.bfloat16)
+    assert norm_module.forward_config(N, True, clusters=True)["plan"] == "cluster"
+    y, _, _, rstd = norm_module._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype, stats=stats)
+    x64 = x.double()
+    rstd64 = 1 / torch.sqrt(x64.pow(2).mean(-1) + 1e-6)
+    assert_matches(y, x64 * rstd64[:, None] * w.double(), F.rms_norm(x, (N,), w, 1e-6), unit=1.0)
+    if stats:
+        torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
+    else:
+        assert rstd.numel() == 0
 
 
 @pytest.mark.parametrize("ahead", [False, True])
