@@ -602,13 +602,13 @@ def fixed_grid_forward(kernel, x, block, rounds=1, extra=(), **kw):
     args = (x, y, M, N, x.stride(0), y.stride(0), *extra, 0, rounds)
     kw = dict(kw, BLOCK=block, CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas))
 
-    def prepare(compiled):  # as cluster_.launch's
+    def prepare(compiled):  # as cluster_.launch's (the same entry: a kernel may be launched both ways)
         words = -(-compiled.metadata.shared // 16) * 16
         shared = words + cluster_.words_bytes(ctas)
-        cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)  # sets the attributes
-        return compiled, words, (compiled.metadata.num_warps, ctas, shared)
+        fits = cluster_._clusters_that_fit(compiled.function, compiled.metadata.num_warps, ctas, shared)
+        return compiled, words, (compiled.metadata.num_warps, ctas, shared), fits
 
-    bound, (compiled, words, packed) = launch_.compiled_for(kernel, x.device.index, (ctas,), args, kw, prepare)
+    bound, (compiled, words, packed, _) = launch_.compiled_for(kernel, x.device.index, (ctas,), args, kw, prepare)
     bound["WORDS"] = words
     compiled.run(triton.cdiv(M, rounds), 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, packed,
                  None, None, None, *bound.values())
@@ -651,6 +651,33 @@ def _forward_early_wait_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, W
 def early_wait_forward(x, block, warps, early, maxnreg=None):
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     return fixed_grid_forward(_forward_early_wait_kernel, x, block, EARLY=early, num_warps=warps, **extra)
+
+
+@triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
+def _forward_rounds_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, BLOCK: tl.constexpr,
+                           CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    # Session 19, prepared: the library's one-row forward (no row ahead, so 80 registers and
+    # 6 CTAs an SM at 8192 / 4 warps) looping over ROUNDS rows on a fixed grid of M / ROUNDS
+    # clusters. Where a cluster of 16 CTAs ends, its slots stay empty until 16 are free in
+    # one GPC for the next cluster; k rows a cluster launch 1 / k as many clusters. The
+    # first row waits for the peers late, as the library's.
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER, WAIT=False)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    for i in tl.range(0, ROUNDS, num_stages=1):  # no software pipelining: its stages would take shared memory
+        row = first_row + i * clusters  # rows past M join the exchange with -inf slices
+        mask = (cols < N) & (row < M)
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        slice_max = tl.max(x, axis=0)
+        shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
+        e = tl.exp2((x - shift) * LOG2E)
+        part = tl.sum(e, axis=0)
+        if i == 0:
+            token = cluster_.wait(token + (part != part).to(tl.int32))
+        maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        y = e * tl.exp2((shift - row_max) * LOG2E - log2_total)
+        tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def library_forward(x, log, block, warps, maxnreg=None):
@@ -734,6 +761,12 @@ FORMS = {
                                  for b, w, r in ((8192, 4, None), (8192, 4, 96), (8192, 8, None), (16384, 8, None),
                                                  (16384, 16, None))
                                  for k in (2, 4)],
+    # session 19, prepared: the one-row kernel looping over k rows on a grid of M / k
+    # clusters, no row ahead (80 registers), the first row's wait late
+    "rounds": lambda N: [(f"rounds {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r} {k} rows a cluster",
+                          lambda x, b=b, w=w, r=r, k=k: fixed_grid_forward(
+                              _forward_rounds_kernel, x, b, k, num_warps=w, maxnreg=r), False)
+                         for b, w, r in ((8192, 4, 80), (16384, 8, 80)) for k in (1, 2, 4, 8)],
     "one-shot-mbar": lambda N: [(f"one-shot {triton.cdiv(N, b)} x {b}/{w}w{' relaxed' if r else ''}",
                                  lambda x, b=b, w=w, r=r: one_shot_forward(x, b, w, r), False)
                                 for r in (False, True) for b, w in ((8192, 4), (8192, 8), (16384, 8), (32768, 16))],
