@@ -573,6 +573,19 @@ def cluster_device(device):
     return device
 
 
+def cluster_launches(monkeypatch):
+    """The names of the kernels norm launches across clusters from now on."""
+    launched = []
+    real_launch = norm_module.cluster.launch
+
+    def recording_launch(kernel, *args, **kwargs):
+        launched.append(kernel.__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    return launched
+
+
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [8193, 16384, 20001, 32768])
@@ -584,14 +597,7 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     x = torch.randn(600, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
-    launched = []
-    real_launch = norm_module.cluster.launch
-
-    def recording_launch(kernel, *args, **kwargs):
-        launched.append(kernel.__name__)
-        return real_launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    launched = cluster_launches(monkeypatch)
     check(kind, x, (N,), w, b)
     assert launched == ["_backward_cluster_kernel"]
 
@@ -607,15 +613,7 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
     x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias+offset" else None
-    launched = launched_kernels(monkeypatch)
-    cluster_launched = []
-    real_launch = norm_module.cluster.launch
-
-    def recording_launch(kernel, *args, **kwargs):
-        cluster_launched.append(kernel.__name__)
-        return real_launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    launched, cluster_launched = launched_kernels(monkeypatch), cluster_launches(monkeypatch)
     check("rms", x, (N,), w, b, weight_offset=1.0 if b is not None else 0.0)
     assert cluster_launched == ["_forward_cluster_kernel"] and not any("forward" in name for name in launched)
 
