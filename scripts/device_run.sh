@@ -21,7 +21,9 @@
 #                                                  # one row a cluster on a grid of M clusters (15, session 16);
 #                                                  # float32's cluster plans against the split ones (16);
 #                                                  # the forward across a cluster at 32768 (17, session 17);
-#                                                  # the norms' backward across a cluster, the library's (18, 19)
+#                                                  # the norms' backward across a cluster, the library's (18, 19),
+                                                 # past 32768 (20 RMSNorm, 21 LayerNorm; session 19, prepared);
+                                                 # softmax's one-row forward over k rows a cluster (22)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -61,7 +63,10 @@ case $mode in
                "tune_softmax.py --dtype fp32 --sizes 65536,131072,262144 --plans cluster,split,own_row --out /tmp"
                "tune_softmax.py --directions fwd --sizes 32768 --plans cluster,two_pass --out /tmp"
                "tune_norm.py --directions bwd --sizes 12288,16384,24576,32768 --out /tmp"
-               "tune_norm.py --layer --directions bwd --sizes 12288,16384,24576,32768 --out /tmp")
+               "tune_norm.py --layer --directions bwd --sizes 12288,16384,24576,32768 --out /tmp"
+               "tune_norm.py --directions bwd --sizes 65536,131072,262144 --out /tmp"
+               "tune_norm.py --layer --directions bwd --sizes 65536,131072,262144 --out /tmp"
+               "exp_softmax_cluster.py --form rounds --sizes 131072,262144")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

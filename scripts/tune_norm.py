@@ -55,10 +55,11 @@ def configs(direction, N, rms):
                 for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1),
                                              (2048, 8, 3), (2048, 16, 2))
                 for rows in (16, 32)]
-    if direction == "bwd" and 8192 < N <= 65536:
+    if direction == "bwd" and N > 8192:
         # across a thread-block cluster (2-16 CTAs a row), with and without the next row ahead
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
-                for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 16)) if 2 <= -(-N // block) <= 16
+                for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
+                if 2 <= -(-N // block) <= 16
                 for ahead in (False, True)]
     if direction == "fwd" and rms and N > 32768:  # RMSNorm across persistent clusters (2-16 CTAs a row)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps}
