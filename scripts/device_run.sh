@@ -23,7 +23,7 @@
 #                                                  # the forward across a cluster at 32768 (17, session 17);
 #                                                  # the norms' backward across a cluster, the library's (18, 19),
                                                  # past 32768 (20 RMSNorm, 21 LayerNorm; session 19, prepared);
-                                                 # softmax's one-row forward over k rows a cluster (22)
+                                                 # softmax's one-row forward over k rows a cluster (22, session 19: lost)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
