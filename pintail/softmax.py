@@ -155,7 +155,11 @@ def _softmax_across_cluster(x, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.c
     log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
     if LOG:
         return (x - row_max) - log2_total * LN2, token
-    return e * tl.exp2((shift - row_max) * LOG2E - log2_total), token
+    # a slice of -inf in a row that is not has exps 0 and scale 0 (not 0 x inf where the
+    # row's max is below -88); a row of -inf keeps its NaN, as torch's
+    empty = (slice_max == -float("inf")) & (row_max != -float("inf"))
+    scale = tl.where(empty, 0.0, tl.exp2((shift - row_max) * LOG2E - log2_total))
+    return e * scale, token
 
 
 @triton.jit

@@ -198,10 +198,13 @@ def test_cluster_forms(form, op, dtype, N, block, cluster_device):
     """Every form of the cluster kernels, whatever the tables pick: persistent clusters taking
     rows in turn (loading ahead), or one cluster a row, waiting for the peers to start at
     once or after the slice's sum (the forward's LATE_WAIT); 5 to 13 CTAs a cluster, the
-    last slice masked; forward and backward against torch in float64."""
+    last slice masked, a slice of -inf in a row of very negative values; forward and backward
+    against torch in float64."""
     log = op == "log_softmax"
     x = torch.randn(37, N, device=cluster_device) * 3
     x[0, 1::5] = -float("inf")
+    x[1] -= 200                       # a row's max below -88 (exp(-max) overflows float32) and
+    x[1, block:2 * block] = -float("inf")  # a whole slice of -inf: zeros there, not 0 x inf
     x = x.to(dtype)
     dy = torch.randn_like(x)
     cfg = {"plan": "cluster", "BLOCK": block, "num_warps": 8, **form}
