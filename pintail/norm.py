@@ -794,10 +794,15 @@ BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf,
 # Kernel alone, H200, bf16 (tune_norm.py, session 18, the next row loaded ahead in every
 # entry): RMSNorm 0.81 / 0.82 / 0.78 / 0.81 at 12288 / 16384 / 24576 / 32768 against the
 # blocks plan's 0.63 at 16384 (without loading ahead at most 0.77 / 0.70); LayerNorm 0.74 /
-# 0.77 / 0.74 / 0.74 against the long plan's 0.56. Longer rows: 0.76 / 0.70 at 131072 in
-# session 17's experiment (not taken yet), and the residual's gradient is not measured.
-BACKWARD_CLUSTER = {"rms": [(16384, 2048, 4, True), (32768, 8192, 16, True)],
-                    "layer": [(12288, 4096, 8, True), (16384, 8192, 16, True), (32768, 4096, 8, True)]}
+# 0.77 / 0.74 / 0.74 against the long plan's 0.56. Past 32768 (session 20, clusters of up to
+# 16): RMSNorm 0.80 / 0.76 at 65536 / 131072 with 8192 / 16 warps against the blocks plan's
+# 0.66 / 0.61; LayerNorm 0.72 at 65536 (4096 / 8 warps) and 0.67 at 131072 (8192 / 16)
+# against the long plan's 0.54. At 262144 (slices of 16384) both lose (0.55 against 0.60,
+# 0.27 against 0.53), so the blocks and long plans stay there. The residual's gradient is
+# not measured.
+BACKWARD_CLUSTER = {"rms": [(16384, 2048, 4, True), (131072, 8192, 16, True)],
+                    "layer": [(12288, 4096, 8, True), (16384, 8192, 16, True), (65536, 4096, 8, True),
+                              (131072, 8192, 16, True)]}
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}

@@ -523,14 +523,19 @@ def test_long_rows_plans():
 
 
 def test_backward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, the backward of rows of 8193-32768 without a
+    """Where the GPU has thread-block clusters, the backward of rows of 8193-131072 without a
     residual's gradient goes across a cluster; the other plans stay as they were."""
     for rms in (True, False):
         config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
         assert config(8192)["plan"] == "rows"
-        assert config(8193)["plan"] == config(32768)["plan"] == "cluster"
-        assert config(32769) == norm_module.backward_config(32769, rms)
+        assert config(8193)["plan"] == config(131072)["plan"] == "cluster"
+        assert config(131073) == norm_module.backward_config(131073, rms)
         assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
+    assert norm_module.backward_config(131072, True, clusters=True) == \
+        norm_module.backward_config(131072, False, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
+    assert norm_module.backward_config(65536, False, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
     assert norm_module.backward_config(16384, True, clusters=True) == \
         {"plan": "cluster", "BLOCK": 2048, "num_warps": 4, "AHEAD": True}
     assert norm_module.backward_config(32768, True, clusters=True) == \
@@ -602,6 +607,22 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     assert launched == ["_backward_cluster_kernel"]
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [32769, 65536, 100003, 131072])
+@pytest.mark.parametrize("affine", ["none", "weight+bias"])
+def test_backward_across_a_cluster_past_32768(kind, dtype, N, affine, monkeypatch, cluster_device):
+    """The backward of rows of 32769-131072 across a cluster (5 to 16 CTAs of 4096 or 8192,
+    the last slice masked where N is not a multiple of it) against float64 torch through
+    autograd, with more rows than clusters fit."""
+    x = torch.randn(300, N, device=cluster_device, dtype=dtype) * 2 + 0.5
+    w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
+    b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
+    launched = cluster_launches(monkeypatch)
+    check(kind, x, (N,), w, b)
+    assert launched[-1:] == ["_backward_cluster_kernel"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [32769, 65536, 131072, 200003, 262144])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias+offset"])
@@ -615,7 +636,9 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias+offset" else None
     launched, cluster_launched = launched_kernels(monkeypatch), cluster_launches(monkeypatch)
     check("rms", x, (N,), w, b, weight_offset=1.0 if b is not None else 0.0)
-    assert cluster_launched == ["_forward_cluster_kernel"] and not any("forward" in name for name in launched)
+    # the backward (its own plan) runs across a cluster too up to 131072
+    assert cluster_launched[:1] == ["_forward_cluster_kernel"] and "_forward_cluster_kernel" not in cluster_launched[1:]
+    assert not any("forward" in name for name in launched)
 
 
 @pytest.mark.parametrize("stats", [True, False])
