@@ -781,21 +781,15 @@ def main():
     args = p.parse_args()
     if args.inspect:
         return inspect()
-    from measure import long_rows, print_fraction
+    from measure import check_and_time_softmax, long_rows, print_fraction
     for N, M, copy_bw in long_rows(lambda device: None, sizes=tuple(map(int, args.sizes.split(",")))):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
         nbytes = 2 * x.numel() * 2
         for log in (False, True):
             print_fraction(f"N={N} library log={log}", lambda: (sm.log_softmax if log else sm.softmax)(x), nbytes, copy_bw)
         for label, fn, log in FORMS[args.form](N):
-            if not 2 <= triton.cdiv(N, int(label.split(" x ")[1].split("/")[0])) <= 16:
-                continue
-            try:
-                err = (fn(x).float() - (torch.log_softmax if log else torch.softmax)(x.float(), -1)).abs().max().item()
-            except Exception as e:
-                print(f"N={N} {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            print_fraction(f"N={N} {label} (err {err:.1e})", lambda: fn(x), nbytes, copy_bw)
+            if 2 <= triton.cdiv(N, int(label.split(" x ")[1].split("/")[0])) <= 16:
+                check_and_time_softmax(f"N={N} {label}", lambda: fn(x), log, x, nbytes, copy_bw)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,7 @@ Measured (session 20, kernel alone, bf16; library in the same run): lost everywh
 131072 0.84 at 8192 / 4 warps (80 registers, with or without a bar.sync; library 0.92),
 0.89 at 16384 / 8 warps; 65536 0.84-0.92 (0.94); 262144 0.84 (0.88).
 
-    python scripts/exp_softmax_staged.py --inspect          # CPU: sm_90 registers, layouts
+    python scripts/exp_softmax_staged.py --inspect          # CPU: sm_90 registers, spills, bar.syncs
     python scripts/exp_softmax_staged.py [--sizes N,...]    # GPU: checked against torch, then timed
 """
 
@@ -46,7 +46,7 @@ def _forward_staged_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero,
     row = row.to(tl.int64)
     chunks = tl.arange(0, BLOCK // VEC)
     first = rank * BLOCK + chunks * VEC  # the chunk's first column
-    done = tl.inline_asm_elementwise(
+    tl.inline_asm_elementwise(
         _STAGE, "=r,r,l,r", [SLICE + chunks * 16, x_ptr + row * x_row_stride + first,
                              tl.where(first < N, 16, 0)], dtype=tl.int32, is_pure=False, pack=1)
     token = tl.inline_asm_elementwise(_WAIT_ALL, "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1)
@@ -63,8 +63,7 @@ def _forward_staged_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero,
     x = tl.inline_asm_elementwise(_READ, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [SLICE + (cols - rank * BLOCK) * 2 + anchor],
                                   dtype=x_ptr.dtype.element_ty, is_pure=False, pack=8)
     x = tl.where(mask, x.to(tl.float32), -float("inf"))
-    y, token = sm._softmax_across_cluster(x, WORDS, 0, token + tl.max(done, axis=0) * 0, LOG, CLUSTER,
-                                          CLUSTER_POW2, True)
+    y, token = sm._softmax_across_cluster(x, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2, True)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -114,25 +113,16 @@ def main():
     args = p.parse_args()
     if args.inspect:
         return inspect()
-    from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(lambda device: None, sizes=tuple(map(int, args.sizes.split(",")))):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
-        nbytes = 2 * x.numel() * 2
-        forms = [("library", lambda log: (sm.log_softmax if log else sm.softmax)(x))]
-        for block, warps, r, barrier in ((8192, 4, 80, False), (8192, 4, 80, True), (8192, 4, None, False),
-                                         (8192, 8, None, False), (16384, 8, 80, False), (16384, 8, None, False)):
-            if 2 <= triton.cdiv(N, block) <= 16:
-                forms.append((f"staged {triton.cdiv(N, block)} x {block}/{warps}w maxnreg {r}"
-                              f"{' barrier' if barrier else ''}",
-                              lambda log, b=block, w=warps, r=r, bar=barrier: staged_forward(x, b, w, log, bar, r)))
-        for log in (False, True):
-            for label, fn in forms:
-                try:
-                    err = (fn(log).float() - (torch.log_softmax if log else torch.softmax)(x.float(), -1)).abs().max()
-                except Exception as e:
-                    print(f"N={N} {label} log={log}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print_fraction(f"N={N} {label} log={log} (err {err.item():.1e})", lambda: fn(log), nbytes, copy_bw)
+    from measure import softmax_forms
+
+    def forms(N, x):
+        return [(f"staged {triton.cdiv(N, block)} x {block}/{warps}w maxnreg {r}{' barrier' if barrier else ''}",
+                 lambda log, b=block, w=warps, r=r, bar=barrier: staged_forward(x, b, w, log, bar, r))
+                for block, warps, r, barrier in ((8192, 4, 80, False), (8192, 4, 80, True), (8192, 4, None, False),
+                                                 (8192, 8, None, False), (16384, 8, 80, False), (16384, 8, None, False))
+                if 2 <= triton.cdiv(N, block) <= 16]
+
+    softmax_forms(forms, tuple(map(int, args.sizes.split(","))))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Measured (session 20, kernel alone, bf16; library in the same run): lost. 131072
 This is quack's reduction, so it is not what quack's 0.94 at 131072 comes from. ptxas puts a
 bar.sync after every barrier.cluster.wait, so the late wait still joins the CTA's warps.
 
-    python scripts/exp_softmax_warp_pairs.py --inspect     # CPU: sm_90 registers, bar.syncs, layouts
+    python scripts/exp_softmax_warp_pairs.py --inspect     # CPU: sm_90 registers, spills, bar.syncs
     python scripts/exp_softmax_warp_pairs.py [--sizes N,...]  # GPU: checked against torch, then timed
 """
 
@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-sm = importlib.import_module("pintail.softmax")
 cluster = importlib.import_module("pintail._cluster")
 launch_ = importlib.import_module("pintail._launch")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -117,7 +116,7 @@ def _forward_warp_pairs_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, W
                  + s6 * tl.exp2((m6 - row_max) * LOG2E) + s7 * tl.exp2((m7 - row_max) * LOG2E))
     log2_total = tl.log2(tl.sum(tl.where(peers < CLUSTER, sums, 0.0), axis=0))
     if LOG:
-        y = tl.reshape((x - row_max) - log2_total * LN2, (BLOCK,))
+        y = (x - row_max) - log2_total * LN2
     else:  # a warp of -inf has exps 0 and scale 0 (not 0 x inf where the row's max is very negative)
         scale = tl.where(warp_max == -float("inf"), 0.0, tl.exp2((shift - row_max) * LOG2E - log2_total))
         y = e * scale[None, :, None]
@@ -171,25 +170,16 @@ def main():
     args = p.parse_args()
     if args.inspect:
         return inspect()
-    from measure import long_rows, print_fraction
-    for N, M, copy_bw in long_rows(lambda device: None, sizes=tuple(map(int, args.sizes.split(",")))):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
-        nbytes = 2 * x.numel() * 2
-        forms = [("library", lambda log: (sm.log_softmax if log else sm.softmax)(x))]
-        for block, warps, r in ((8192, 4, 80), (8192, 4, None), (8192, 8, None), (16384, 8, 80), (16384, 8, None)):
-            if 2 <= triton.cdiv(N, block) <= 16:
-                for late in (True, False):
-                    forms.append((f"warp-pairs {triton.cdiv(N, block)} x {block}/{warps}w maxnreg {r}"
-                                  f"{' late' if late else ''}",
-                                  lambda log, b=block, w=warps, r=r, late=late: warp_pairs_forward(x, b, w, log, late, r)))
-        for log in (False, True):
-            for label, fn in forms:
-                try:
-                    err = (fn(log).float() - (torch.log_softmax if log else torch.softmax)(x.float(), -1)).abs().max()
-                except Exception as e:
-                    print(f"N={N} {label} log={log}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print_fraction(f"N={N} {label} log={log} (err {err.item():.1e})", lambda: fn(log), nbytes, copy_bw)
+    from measure import softmax_forms
+
+    def forms(N, x):
+        return [(f"warp-pairs {triton.cdiv(N, block)} x {block}/{warps}w maxnreg {r}{' late' if late else ''}",
+                 lambda log, b=block, w=warps, r=r, late=late: warp_pairs_forward(x, b, w, log, late, r))
+                for block, warps, r in ((8192, 4, 80), (8192, 4, None), (8192, 8, None), (16384, 8, 80),
+                                        (16384, 8, None))
+                if 2 <= triton.cdiv(N, block) <= 16 for late in (True, False)]
+
+    softmax_forms(forms, tuple(map(int, args.sizes.split(","))))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,31 @@ def print_fraction(label, fn, nbytes, copy_bw):
     print(f"{label}: {ms:.4f} ms {nbytes / (ms * 1e-3) / copy_bw:.3f}", flush=True)
 
 
+def check_and_time_softmax(label, fn, log, x, nbytes, copy_bw):
+    """fn() (log_)softmax of x along its rows: its largest error against torch's in float32,
+    then its time as print_fraction prints it; a call that fails is printed and skipped."""
+    try:
+        err = (fn().float() - (torch.log_softmax if log else torch.softmax)(x.float(), -1)).abs().max().item()
+    except Exception as e:
+        print(f"{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    print_fraction(f"{label} (err {err:.1e})", fn, nbytes, copy_bw)
+
+
+def softmax_forms(forms_of, sizes):
+    """The frame of a softmax forward experiment on the GPU: per N (bf16 rows, M*N = 2^27),
+    the library and each (label, function of log) of forms_of(N, x), softmax then
+    log_softmax, checked and timed (check_and_time_softmax)."""
+    import pintail
+    for N, M, copy_bw in long_rows(lambda device: None, sizes=sizes):
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 3
+        forms = [("library", lambda log: (pintail.log_softmax if log else pintail.softmax)(x))] + forms_of(N, x)
+        for log in (False, True):
+            for label, fn in forms:
+                check_and_time_softmax(f"N={N} {label} log={log}", lambda: fn(log), log, x, 2 * x.numel() * 2,
+                                       copy_bw)
+
+
 class Identity(torch.autograd.Function):
     """An autograd node that does nothing: what the engine costs around a Python node."""
 
