@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TRITON_3_6, compiled_for
+from ._launch import INTERPRET, TRITON_3_6, cdiv, compiled_for
 
 MAX_CLUSTER = 16  # 8 is the portable limit; the H100 / H200 allow 16 on request
 BUFFERS: tl.constexpr = tl.constexpr(4)  # buffers of words, and mbarriers: rows in flight (the module's docstring)
@@ -57,6 +57,26 @@ def _has_clusters(device_index) -> bool:
 def words_bytes(cluster: int) -> int:
     """Shared memory the exchange needs past Triton's: the mbarriers and buffers of words."""
     return BUFFERS.value * 8 * (1 + cluster)
+
+
+def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
+    """(CTAs a row, SHIFT) for rows of N elements of `rows` (tensors of one dtype, rows along
+    dim 0) cut into slices of `block`. Triton knows a row is 16-byte aligned only where the
+    row length and strides are multiples of 16 (else every load is 2 bytes wide: 0.04-0.69
+    of copy). SHIFT (elements in 16 bytes) starts each row's slices at the first 16-byte
+    boundary in the row: the row's whole 16-byte pieces then go as vector loads and stores,
+    and the at most SHIFT - 1 elements at either end one at a time (`row_ends`), so the row
+    still takes cdiv(N, block) CTAs. Taken where the tensors start 16-byte aligned and their
+    row strides agree modulo SHIFT (every row of each then starts the same distance before a
+    boundary); SHIFT 0: the slices start at the row's start."""
+    vec = 16 // rows[0].element_size()
+    strides = [t.stride(0) for t in rows]
+    ctas = cdiv(N, block)
+    if N % 16 == 0 and all(s % 16 == 0 and t.data_ptr() % 16 == 0 for s, t in zip(strides, rows)):
+        return ctas, 0  # Triton specialises these as 16-divisible: vector loads already
+    if any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
+        return ctas, 0
+    return ctas, vec
 
 
 # ------------------------------------------------------------------------ device side
@@ -139,6 +159,48 @@ def receive(WORDS, i, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
         "=f,=f,r", [words + tl.minimum(peers, CLUSTER - 1) * 8 + token * 0], dtype=(tl.float32, tl.float32),
         is_pure=False, pack=1)
     return tl.where(peers < CLUSTER, his, -float("inf")), tl.where(peers < CLUSTER, los, 0.0), token
+
+
+@triton.jit
+def slice_start(row, row_stride, SHIFT: tl.constexpr):
+    """Where the slices of `row` start, in elements from the tensor's start (`window`): the
+    row's start, or where SHIFT the first 16-byte boundary at or after it."""
+    start = row.to(tl.int64) * row_stride
+    if SHIFT:
+        start = (start + SHIFT - 1) // SHIFT * SHIFT  # the compiler reads the product: aligned
+    return start
+
+
+@triton.jit
+def _head(row, row_stride, SHIFT: tl.constexpr):
+    """How many of `row`'s elements lie before its slices' start (`slice_start`)."""
+    return ((SHIFT - row.to(tl.int64) * row_stride % SHIFT) % SHIFT).to(tl.int32)
+
+
+@triton.jit
+def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    """The row's elements in CTA `rank`'s slice (from `slice_start`); where SHIFT, those of
+    the row's whole 16-byte pieces only, so the mask changes only at multiples of SHIFT and
+    the loads and stores are vectors (the row's other elements: `row_ends`)."""
+    at = rank * BLOCK + tl.arange(0, BLOCK)
+    if SHIFT:
+        return at < (N - _head(row, row_stride, SHIFT)) // SHIFT * SHIFT
+    return at < N
+
+
+@triton.jit
+def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    """(positions from `slice_start`, mask) of the row's elements outside its whole 16-byte
+    pieces that CTA `rank` takes: the up to SHIFT - 1 before the slices' start (rank 0) and
+    the up to SHIFT - 1 after the last whole piece (the CTA whose slice holds them), as one
+    small tensor of 2 x SHIFT entries, loaded and stored an element at a time."""
+    head = _head(row, row_stride, SHIFT)
+    end_whole = (N - head) // SHIFT * SHIFT
+    j = tl.arange(0, 2 * SHIFT)
+    at = tl.where(j < SHIFT, j - SHIFT, end_whole + j - SHIFT)
+    in_row = tl.where(j < SHIFT, at >= -head, at < N - head)
+    mine = (at < (rank + 1) * BLOCK) & ((at >= rank * BLOCK) | (rank == 0))
+    return at, in_row & mine
 
 
 # -------------------------------------------------------------------------- host side

@@ -108,7 +108,7 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, ROUNDS, LOG: tl.constexpr,
                             BLOCK: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr,
-                            PERSISTENT: tl.constexpr, LATE_WAIT: tl.constexpr = False):
+                            PERSISTENT: tl.constexpr, LATE_WAIT: tl.constexpr = False, SHIFT: tl.constexpr = 0):
     # A row across the CLUSTER CTAs of a cluster (pintail/_cluster.py): CTA `rank` holds
     # slice `rank` in registers (its exps, for softmax), trades (max, sum of exp(x - max))
     # with its peers through distributed shared memory, and writes its slice of y from the
@@ -117,49 +117,85 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     # in flight while the CTA waits on its peers and writes y (16 more bits of registers an
     # element). Otherwise one row a cluster: the GPU starts a new cluster where one ended,
     # and the other clusters on the SM hide the wait. LATE_WAIT (one row a cluster only): the
-    # CTA waits for its peers to start only once its slice is loaded and summed.
+    # CTA waits for its peers to start only once its slice is loaded and summed. SHIFT:
+    # slices from the first 16-byte boundary in the row, the row's ends apart (cluster.window).
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER, WAIT=PERSISTENT or not LATE_WAIT)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     if PERSISTENT:
-        x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (first_row < M),
-                         other=-float("inf"))
+        x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
         for i in range(0, ROUNDS):
             row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
-            x = x_next.to(tl.float32)
+            x, x_ends = x_next.to(tl.float32), ends_next.to(tl.float32)
             next_row = row + clusters
-            x_next = tl.load(x_ptr + next_row.to(tl.int64) * x_row_stride + cols, mask=(cols < N) & (next_row < M),
-                             other=-float("inf"))
-            y, token = _softmax_across_cluster(x, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2, False)
-            tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
-                     mask=(cols < N) & (row < M))
+            x_next, ends_next = _load_slice(x_ptr, next_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
+            y, y_ends, token = _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2, False,
+                                                       SHIFT > 0)
+            _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT)
     else:
-        row = first_row.to(tl.int64)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        y, token = _softmax_across_cluster(x, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2, LATE_WAIT)
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        x, x_ends = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
+        y, y_ends, token = _softmax_across_cluster(x.to(tl.float32), x_ends.to(tl.float32), WORDS, 0, token, LOG,
+                                                   CLUSTER, CLUSTER_POW2, LATE_WAIT, SHIFT > 0)
+        _store_slice(y_ptr, y, y_ends, first_row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT)
 
 
 @triton.jit
-def _softmax_across_cluster(x, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr,
-                            WAIT: tl.constexpr):
-    """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32).
-    WAIT: first finish `cluster.start`'s barrier (started with WAIT False)."""
+def _load_slice(ptr, row, M, N, row_stride, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr, other=-float("inf")):
+    """CTA `rank`'s slice of `row` (`other` past the row or past M) and, where SHIFT, the
+    row's ends that fall in it (cluster.row_ends; else a placeholder)."""
+    start = cluster.slice_start(row, row_stride, SHIFT)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(ptr + start + cols, mask=cluster.slice_mask(row, row_stride, N, rank, BLOCK, SHIFT) & (row < M),
+                other=other)
+    if SHIFT:
+        at, in_row = cluster.row_ends(row, row_stride, N, rank, BLOCK, SHIFT)
+        ends = tl.load(ptr + start + at, mask=in_row & (row < M), other=other)
+    else:
+        ends = tl.full((1,), other, ptr.dtype.element_ty)
+    return x, ends
+
+
+@triton.jit
+def _store_slice(ptr, y, y_ends, row, M, N, x_row_stride, row_stride, rank, BLOCK: tl.constexpr,
+                 SHIFT: tl.constexpr):
+    """Store the slice of `_load_slice` and its ends (masks from x's row stride: cluster.window
+    takes SHIFT only where the strides agree modulo SHIFT)."""
+    start = cluster.slice_start(row, row_stride, SHIFT)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + start + cols, y.to(ptr.dtype.element_ty),
+             mask=cluster.slice_mask(row, x_row_stride, N, rank, BLOCK, SHIFT) & (row < M))
+    if SHIFT:
+        at, in_row = cluster.row_ends(row, x_row_stride, N, rank, BLOCK, SHIFT)
+        tl.store(ptr + start + at, y_ends.to(ptr.dtype.element_ty), mask=in_row & (row < M))
+
+
+@triton.jit
+def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr,
+                            CLUSTER_POW2: tl.constexpr, WAIT: tl.constexpr, ENDS: tl.constexpr):
+    """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32),
+    and of the row's ends x_ends where ENDS. WAIT: first finish `cluster.start`'s barrier
+    (started with WAIT False)."""
     slice_max = tl.max(x, axis=0)
+    if ENDS:
+        slice_max = tl.maximum(slice_max, tl.max(x_ends, axis=0))
     shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
     e = tl.exp2((x - shift) * LOG2E)
     part = tl.sum(e, axis=0)
+    e_ends = x_ends
+    if ENDS:
+        e_ends = tl.exp2((x_ends - shift) * LOG2E)
+        part += tl.sum(e_ends, axis=0)
     if WAIT:  # a data dependence on the slice's sum keeps the wait behind its loads
         token = cluster.wait(token + (part != part).to(tl.int32))
     maxes, sums, token = cluster.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
     row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
     log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
     if LOG:
-        return (x - row_max) - log2_total * LN2, token
+        return (x - row_max) - log2_total * LN2, (x_ends - row_max) - log2_total * LN2, token
     # a slice of -inf in a row that is not has exps 0 and scale 0 (not 0 x inf where the
     # row's max is below -88); a row of -inf keeps its NaN, as torch's
     empty = (slice_max == -float("inf")) & (row_max != -float("inf"))
     scale = tl.where(empty, 0.0, tl.exp2((shift - row_max) * LOG2E - log2_total))
-    return e * scale, token
+    return e * scale, e_ends * scale, token
 
 
 @triton.jit
@@ -323,46 +359,53 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride, WORDS, ROUNDS,
                              LOG: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                             CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr):
+                             CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr, SHIFT: tl.constexpr = 0):
     # The forward's cluster plan for the backward: CTA `rank` holds slice `rank` of y and dy
     # (as loaded, 16-bit where they are), trades the slice's sum(dy) or sum(y * dy) with its
     # peers and writes its slice of dx. PERSISTENT: rows in turn, the next row's slices
     # loaded before this row's exchange, as in the forward; otherwise one row a cluster.
+    # SHIFT: as in the forward.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
-    cols = rank * BLOCK + tl.arange(0, BLOCK)
     if PERSISTENT:
-        mask = (cols < N) & (first_row < M)
-        y_next = tl.load(y_ptr + first_row.to(tl.int64) * y_row_stride + cols, mask=mask, other=0.0)
-        dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
+        y_next, y_ends_next = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
+        dy_next, dy_ends_next = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
         for i in range(0, ROUNDS):
-            row = (first_row + i * clusters).to(tl.int64)
-            y_raw, dy_raw = y_next, dy_next
+            row = first_row + i * clusters
+            y_raw, y_ends, dy_raw, dy_ends = y_next, y_ends_next, dy_next, dy_ends_next
             next_row = row + clusters
-            mask = (cols < N) & (next_row < M)
-            y_next = tl.load(y_ptr + next_row * y_row_stride + cols, mask=mask, other=0.0)
-            dy_next = tl.load(dy_ptr + next_row * dy_row_stride + cols, mask=mask, other=0.0)
-            dx, token = _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2)
-            tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty),
-                     mask=(cols < N) & (row < M))
+            y_next, y_ends_next = _load_slice(y_ptr, next_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
+            dy_next, dy_ends_next = _load_slice(dy_ptr, next_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
+            total, token = _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG, CLUSTER,
+                                           CLUSTER_POW2, SHIFT > 0)
+            _store_slice(dx_ptr, _dx(y_raw, dy_raw, total, LOG), _dx(y_ends, dy_ends, total, LOG), row, M, N,
+                         y_row_stride, dx_row_stride, rank, BLOCK, SHIFT)
     else:
-        row = first_row.to(tl.int64)
-        y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=cols < N, other=0.0)
-        dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=cols < N, other=0.0)
-        dx, token = _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        y_raw, y_ends = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
+        dy_raw, dy_ends = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
+        total, token = _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2,
+                                       SHIFT > 0)
+        _store_slice(dx_ptr, _dx(y_raw, dy_raw, total, LOG), _dx(y_ends, dy_ends, total, LOG), first_row, M, N,
+                     y_row_stride, dx_row_stride, rank, BLOCK, SHIFT)
 
 
 @triton.jit
-def _softmax_backward_across_cluster(y_raw, dy_raw, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr,
-                                     CLUSTER_POW2: tl.constexpr):
-    """This CTA's slice of dx for row i of the cluster, from its slices of y and dy."""
-    _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), _partial(y_raw, dy_raw, LOG),
-                                       token, CLUSTER, CLUSTER_POW2)
-    total = tl.sum(parts, axis=0)
+def _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr,
+                    CLUSTER_POW2: tl.constexpr, ENDS: tl.constexpr):
+    """Row i's sum(dy) (log_softmax) or sum(y * dy) (softmax), from this CTA's slices of y and
+    dy (and of the row's ends where ENDS) and its peers'."""
+    part = _partial(y_raw, dy_raw, LOG)
+    if ENDS:
+        part += _partial(y_ends, dy_ends, LOG)
+    _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), part, token, CLUSTER, CLUSTER_POW2)
+    return tl.sum(parts, axis=0), token
+
+
+@triton.jit
+def _dx(y_raw, dy_raw, total, LOG: tl.constexpr):
     y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
     if LOG:
-        return dy - tl.exp2(y * LOG2E) * total, token
-    return y * (dy - total), token
+        return dy - tl.exp2(y * LOG2E) * total
+    return y * (dy - total)
 
 
 @triton.jit
@@ -507,10 +550,10 @@ def launch_forward(x, y, log, config=None):
                BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
                num_warps=cfg["num_warps"])
     elif cfg["plan"] == "cluster":
-        ctas = cdiv(N, cfg["BLOCK"])
+        ctas, shift = cluster.window(N, cfg["BLOCK"], x, y)
         cluster.launch(_forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
                        BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
-                       PERSISTENT=cfg["PERSISTENT"], LATE_WAIT=cfg.get("LATE_WAIT", False),
+                       PERSISTENT=cfg["PERSISTENT"], LATE_WAIT=cfg.get("LATE_WAIT", False), SHIFT=shift,
                        num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
@@ -533,10 +576,10 @@ def launch_backward(y, dy, dx, log, config=None):
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "cluster":
-        ctas = cdiv(N, cfg["BLOCK"])
+        ctas, shift = cluster.window(N, cfg["BLOCK"], y, dy, dx)
         cluster.launch(_backward_cluster_kernel, M, ctas, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0),
                        0, 1, LOG=log, BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
-                       PERSISTENT=cfg["PERSISTENT"], num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
+                       PERSISTENT=cfg["PERSISTENT"], SHIFT=shift, num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),

@@ -219,6 +219,55 @@ def test_cluster_forms(form, op, dtype, N, block, cluster_device):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("N", [32769, 50257, 131065, 262139])
+def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster_device):
+    """Rows whose length is not a multiple of 16: each row starts at another distance before a
+    16-byte boundary, the slices start at that boundary (cluster.window: SHIFT), the row's
+    whole 16-byte pieces go as vectors and its ends element by element. x is a view 16
+    elements wider a row than y (strides equal modulo 16 bytes); the extremes sit in the
+    ends: the max in a row's first element, in another's last, -inf heading a third."""
+    log = op == "log_softmax"
+    wide = torch.randn(23, N + 16, device=cluster_device) * 3
+    wide[1, 0] = wide[2, N - 1] = 1e4
+    wide[3, :3] = -float("inf")
+    x = wide.to(dtype)[:, :N].requires_grad_()
+    dy = (torch.randn(23, N + 16, device=cluster_device)).to(dtype)[:, :N]
+    shifts = []
+
+    def recording_launch(real_launch):
+        def launch(kernel, rows, ctas, *args, **kwargs):
+            shifts.append(kwargs["SHIFT"])
+            return real_launch(kernel, rows, ctas, *args, **kwargs)
+        return launch
+
+    monkeypatch.setattr(softmax_module.cluster, "launch", recording_launch(softmax_module.cluster.launch))
+    ours_fn, torch_fn = OPS[op]
+    y = ours_fn(x, -1)
+    assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
+    (dx,) = torch.autograd.grad(y, x, dy)
+    dx_exact = exact_backward(op, y, dy)
+    assert_matches(dx, dx_exact, dx_exact.to(dtype))
+    backward_plan = softmax_module.backward_config(N, log, x.element_size(), clusters=True)["plan"]
+    assert shifts == [16 // x.element_size()] * (2 if backward_plan == "cluster" else 1)
+
+
+def test_cluster_window():
+    """Where the slices start at the first 16-byte boundary in each row (SHIFT: elements in 16
+    bytes): only where every tensor starts 16-byte aligned and their strides agree modulo
+    SHIFT; the row takes cdiv(N, block) CTAs either way."""
+    window = softmax_module.cluster.window
+    rows = torch.empty(4, 65539 + 16, dtype=torch.bfloat16)
+    assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65539, dtype=torch.bfloat16)) == (9, 8)
+    assert window(65536, 8192, torch.empty(4, 65536, dtype=torch.bfloat16)) == (8, 0)  # all 16-divisible
+    assert window(65544, 8192, torch.empty(4, 65544, dtype=torch.bfloat16)) == (9, 8)  # every row aligned
+    assert window(65539, 8192, rows[:, 1:65540]) == (9, 0)             # a start 2 bytes past a boundary
+    assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65540, dtype=torch.bfloat16)[:, :65539]) == (9, 0)
+    assert window(262139, 16384, torch.empty(2, 262139, dtype=torch.bfloat16)) == (16, 8)  # 16 CTAs, not 17
+    assert window(131065, 8192, torch.empty(2, 131065)) == (16, 4)     # float32: 4 elements in 16 bytes
+
+
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("M, N", [(3000, 39993), (1500, 150001), (300, 200003)])
 def test_cluster_plans_over_many_rounds(op, M, N, monkeypatch, cluster_device):
     """More rows than clusters fit: at 39993 a grid of 3000 clusters, one a row; past 131072
