@@ -65,18 +65,19 @@ def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
     row length and strides are multiples of 16 (else every load is 2 bytes wide: 0.04-0.69
     of copy). SHIFT (elements in 16 bytes) starts each row's slices at the first 16-byte
     boundary in the row: the row's whole 16-byte pieces then go as vector loads and stores,
-    and the at most SHIFT - 1 elements at either end one at a time (`row_ends`), so the row
-    still takes cdiv(N, block) CTAs. Taken where the tensors start 16-byte aligned and their
-    row strides agree modulo SHIFT (every row of each then starts the same distance before a
-    boundary); SHIFT 0: the slices start at the row's start."""
+    and the at most SHIFT - 1 elements at either end one at a time (`row_ends`). The whole
+    pieces span at most N // SHIFT * SHIFT elements, and the CTAs cover just those: a row of
+    32769 takes 4 slices of 8192, not 5 (its last element goes with the last slice). Taken
+    where the tensors start 16-byte aligned and their row strides agree modulo SHIFT (every
+    row of each then starts the same distance before a boundary); SHIFT 0: the slices start
+    at the row's start."""
     vec = 16 // rows[0].element_size()
     strides = [t.stride(0) for t in rows]
-    ctas = cdiv(N, block)
     if N % 16 == 0 and all(s % 16 == 0 and t.data_ptr() % 16 == 0 for s, t in zip(strides, rows)):
-        return ctas, 0  # Triton specialises these as 16-divisible: vector loads already
-    if any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
-        return ctas, 0
-    return ctas, vec
+        return cdiv(N, block), 0  # Triton specialises these as 16-divisible: vector loads already
+    if N < vec or any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
+        return cdiv(N, block), 0
+    return cdiv(N // vec * vec, block), vec
 
 
 # ------------------------------------------------------------------------ device side
@@ -189,18 +190,19 @@ def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexp
 
 
 @triton.jit
-def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr, CLUSTER: tl.constexpr):
     """(positions from `slice_start`, mask) of the row's elements outside its whole 16-byte
     pieces that CTA `rank` takes: the up to SHIFT - 1 before the slices' start (rank 0) and
-    the up to SHIFT - 1 after the last whole piece (the CTA whose slice holds them), as one
-    small tensor of 2 x SHIFT entries, loaded and stored an element at a time."""
+    the up to SHIFT - 1 after the last whole piece (the CTA whose slice holds them, or the
+    last CTA where they lie past every slice: `window`), as one small tensor of 2 x SHIFT
+    entries, loaded and stored an element at a time."""
     head = _head(row, row_stride, SHIFT)
     end_whole = (N - head) // SHIFT * SHIFT
     j = tl.arange(0, 2 * SHIFT)
     at = tl.where(j < SHIFT, j - SHIFT, end_whole + j - SHIFT)
     in_row = tl.where(j < SHIFT, at >= -head, at < N - head)
-    mine = (at < (rank + 1) * BLOCK) & ((at >= rank * BLOCK) | (rank == 0))
-    return at, in_row & mine
+    owner = tl.minimum(tl.maximum(at, 0) // BLOCK, CLUSTER - 1)
+    return at, in_row & (owner == rank)
 
 
 # -------------------------------------------------------------------------- host side

@@ -122,24 +122,25 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER, WAIT=PERSISTENT or not LATE_WAIT)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     if PERSISTENT:
-        x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
+        x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
         for i in range(0, ROUNDS):
             row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
             x, x_ends = x_next.to(tl.float32), ends_next.to(tl.float32)
             next_row = row + clusters
-            x_next, ends_next = _load_slice(x_ptr, next_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
+            x_next, ends_next = _load_slice(x_ptr, next_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
             y, y_ends, token = _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2, False,
                                                        SHIFT > 0)
-            _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT)
+            _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT, CLUSTER)
     else:
-        x, x_ends = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT)
+        x, x_ends = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
         y, y_ends, token = _softmax_across_cluster(x.to(tl.float32), x_ends.to(tl.float32), WORDS, 0, token, LOG,
                                                    CLUSTER, CLUSTER_POW2, LATE_WAIT, SHIFT > 0)
-        _store_slice(y_ptr, y, y_ends, first_row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT)
+        _store_slice(y_ptr, y, y_ends, first_row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT, CLUSTER)
 
 
 @triton.jit
-def _load_slice(ptr, row, M, N, row_stride, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr, other=-float("inf")):
+def _load_slice(ptr, row, M, N, row_stride, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr, CLUSTER: tl.constexpr,
+                other=-float("inf")):
     """CTA `rank`'s slice of `row` (`other` past the row or past M) and, where SHIFT, the
     row's ends that fall in it (cluster.row_ends; else a placeholder)."""
     start = cluster.slice_start(row, row_stride, SHIFT)
@@ -147,7 +148,7 @@ def _load_slice(ptr, row, M, N, row_stride, rank, BLOCK: tl.constexpr, SHIFT: tl
     x = tl.load(ptr + start + cols, mask=cluster.slice_mask(row, row_stride, N, rank, BLOCK, SHIFT) & (row < M),
                 other=other)
     if SHIFT:
-        at, in_row = cluster.row_ends(row, row_stride, N, rank, BLOCK, SHIFT)
+        at, in_row = cluster.row_ends(row, row_stride, N, rank, BLOCK, SHIFT, CLUSTER)
         ends = tl.load(ptr + start + at, mask=in_row & (row < M), other=other)
     else:
         ends = tl.full((1,), other, ptr.dtype.element_ty)
@@ -156,7 +157,7 @@ def _load_slice(ptr, row, M, N, row_stride, rank, BLOCK: tl.constexpr, SHIFT: tl
 
 @triton.jit
 def _store_slice(ptr, y, y_ends, row, M, N, x_row_stride, row_stride, rank, BLOCK: tl.constexpr,
-                 SHIFT: tl.constexpr):
+                 SHIFT: tl.constexpr, CLUSTER: tl.constexpr):
     """Store the slice of `_load_slice` and its ends (masks from x's row stride: cluster.window
     takes SHIFT only where the strides agree modulo SHIFT)."""
     start = cluster.slice_start(row, row_stride, SHIFT)
@@ -164,7 +165,7 @@ def _store_slice(ptr, y, y_ends, row, M, N, x_row_stride, row_stride, rank, BLOC
     tl.store(ptr + start + cols, y.to(ptr.dtype.element_ty),
              mask=cluster.slice_mask(row, x_row_stride, N, rank, BLOCK, SHIFT) & (row < M))
     if SHIFT:
-        at, in_row = cluster.row_ends(row, x_row_stride, N, rank, BLOCK, SHIFT)
+        at, in_row = cluster.row_ends(row, x_row_stride, N, rank, BLOCK, SHIFT, CLUSTER)
         tl.store(ptr + start + at, y_ends.to(ptr.dtype.element_ty), mask=in_row & (row < M))
 
 
@@ -367,25 +368,25 @@ def _backward_cluster_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_s
     # SHIFT: as in the forward.
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     if PERSISTENT:
-        y_next, y_ends_next = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
-        dy_next, dy_ends_next = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
+        y_next, y_ends_next = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
+        dy_next, dy_ends_next = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
         for i in range(0, ROUNDS):
             row = first_row + i * clusters
             y_raw, y_ends, dy_raw, dy_ends = y_next, y_ends_next, dy_next, dy_ends_next
             next_row = row + clusters
-            y_next, y_ends_next = _load_slice(y_ptr, next_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
-            dy_next, dy_ends_next = _load_slice(dy_ptr, next_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
+            y_next, y_ends_next = _load_slice(y_ptr, next_row, M, N, y_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
+            dy_next, dy_ends_next = _load_slice(dy_ptr, next_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
             total, token = _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG, CLUSTER,
                                            CLUSTER_POW2, SHIFT > 0)
             _store_slice(dx_ptr, _dx(y_raw, dy_raw, total, LOG), _dx(y_ends, dy_ends, total, LOG), row, M, N,
-                         y_row_stride, dx_row_stride, rank, BLOCK, SHIFT)
+                         y_row_stride, dx_row_stride, rank, BLOCK, SHIFT, CLUSTER)
     else:
-        y_raw, y_ends = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, 0.0)
-        dy_raw, dy_ends = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, 0.0)
+        y_raw, y_ends = _load_slice(y_ptr, first_row, M, N, y_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
+        dy_raw, dy_ends = _load_slice(dy_ptr, first_row, M, N, dy_row_stride, rank, BLOCK, SHIFT, CLUSTER, 0.0)
         total, token = _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, 0, token, LOG, CLUSTER, CLUSTER_POW2,
                                        SHIFT > 0)
         _store_slice(dx_ptr, _dx(y_raw, dy_raw, total, LOG), _dx(y_ends, dy_ends, total, LOG), first_row, M, N,
-                     y_row_stride, dx_row_stride, rank, BLOCK, SHIFT)
+                     y_row_stride, dx_row_stride, rank, BLOCK, SHIFT, CLUSTER)
 
 
 @triton.jit

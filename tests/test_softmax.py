@@ -220,7 +220,7 @@ def test_cluster_forms(form, op, dtype, N, block, cluster_device):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("N", [32769, 50257, 131065, 262139])
+@pytest.mark.parametrize("N", [32769, 50257, 65543, 131065, 262139])
 def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster_device):
     """Rows whose length is not a multiple of 16: each row starts at another distance before a
     16-byte boundary, the slices start at that boundary (cluster.window: SHIFT), the row's
@@ -255,16 +255,18 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
 def test_cluster_window():
     """Where the slices start at the first 16-byte boundary in each row (SHIFT: elements in 16
     bytes): only where every tensor starts 16-byte aligned and their strides agree modulo
-    SHIFT; the row takes cdiv(N, block) CTAs either way."""
+    SHIFT; the CTAs then cover the row's whole 16-byte pieces (the last CTA takes the ends
+    past them)."""
     window = softmax_module.cluster.window
     rows = torch.empty(4, 65539 + 16, dtype=torch.bfloat16)
-    assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65539, dtype=torch.bfloat16)) == (9, 8)
+    assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65539, dtype=torch.bfloat16)) == (8, 8)
     assert window(65536, 8192, torch.empty(4, 65536, dtype=torch.bfloat16)) == (8, 0)  # all 16-divisible
-    assert window(65544, 8192, torch.empty(4, 65544, dtype=torch.bfloat16)) == (9, 8)  # every row aligned
+    assert window(65544, 8192, torch.empty(4, 65544, dtype=torch.bfloat16)) == (9, 8)  # 8 elements past 65536
     assert window(65539, 8192, rows[:, 1:65540]) == (9, 0)             # a start 2 bytes past a boundary
     assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65540, dtype=torch.bfloat16)[:, :65539]) == (9, 0)
-    assert window(262139, 16384, torch.empty(2, 262139, dtype=torch.bfloat16)) == (16, 8)  # 16 CTAs, not 17
+    assert window(262139, 16384, torch.empty(2, 262139, dtype=torch.bfloat16)) == (16, 8)
     assert window(131065, 8192, torch.empty(2, 131065)) == (16, 4)     # float32: 4 elements in 16 bytes
+    assert window(32771, 8192, torch.empty(2, 32771)) == (4, 4)        # 4 slices, the last takes 3 past them
 
 
 @pytest.mark.parametrize("op", OPS)
