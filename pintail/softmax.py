@@ -120,7 +120,6 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     # CTA waits for its peers to start only once its slice is loaded and summed. SHIFT:
     # slices from the first 16-byte boundary in the row, the row's ends apart (cluster.window).
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER, WAIT=PERSISTENT or not LATE_WAIT)
-    cols = rank * BLOCK + tl.arange(0, BLOCK)
     if PERSISTENT:
         x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
         for i in range(0, ROUNDS):
