@@ -2,8 +2,11 @@ import importlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import pintail
+from pintail import _cluster as cluster
 from helpers import DTYPES, assert_matches
 
 softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
@@ -267,6 +270,48 @@ def test_cluster_window():
     assert window(262139, 16384, torch.empty(2, 262139, dtype=torch.bfloat16)) == (16, 8)
     assert window(131065, 8192, torch.empty(2, 131065)) == (16, 4)     # float32: 4 elements in 16 bytes
     assert window(32771, 8192, torch.empty(2, 32771)) == (4, 4)        # 4 slices, the last takes 3 past them
+
+
+@triton.jit
+def _count_cover_kernel(slice_counts_ptr, end_counts_ptr, N, row_stride, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
+                        CLUSTER: tl.constexpr):
+    # what CTA `rank` of row `row` loads: its slice's elements and its share of the row's ends
+    row, rank = tl.program_id(0), tl.program_id(1)
+    start = cluster.slice_start(row, row_stride, SHIFT)
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(slice_counts_ptr + start + cols, 1,
+                  mask=cluster.slice_mask(row, row_stride, N, rank, BLOCK, SHIFT))
+    if SHIFT:
+        at, mine = cluster.row_ends(row, row_stride, N, rank, BLOCK, SHIFT, CLUSTER)
+        tl.atomic_add(end_counts_ptr + start + at, 1, mask=mine)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("N, extra", [(64, 0), (67, 0), (67, 16), (93, 5), (129, 16), (135, 16), (7, 16)])
+def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, device):
+    """The pieces the cluster kernels load (cluster.window, slice_start, slice_mask, row_ends),
+    run as a kernel on their own (in the interpreter on CPU): across the CTAs of a row, every
+    element of the row exactly once and nothing past it, the slices' part in whole 16-byte
+    pieces only (what makes their loads vectors), at row starts that fall at every distance
+    from a boundary (row strides N + extra)."""
+    M, block = 9, 16
+    rows = torch.empty(M, N + extra, dtype=dtype, device=device)[:, :N]
+    ctas, shift = cluster.window(N, block, rows)
+    assert shift == (0 if N % 16 == 0 and extra % 16 == 0 or N < 16 // rows.element_size()
+                     else 16 // rows.element_size())
+    slice_counts = torch.zeros(M * rows.stride(0) // 16 * 16 + 64, dtype=torch.int32, device=device)
+    end_counts = torch.zeros_like(slice_counts)
+    _count_cover_kernel[(M, ctas)](slice_counts, end_counts, N, rows.stride(0), BLOCK=block, SHIFT=shift,
+                                   CLUSTER=ctas)
+    in_row = torch.zeros_like(slice_counts, dtype=torch.bool)
+    for r in range(M):
+        in_row[r * rows.stride(0):r * rows.stride(0) + N] = True
+    counts = slice_counts + end_counts
+    assert bool((counts[in_row] == 1).all()) and bool((counts[~in_row] == 0).all())
+    if shift:
+        pieces = slice_counts.view(-1, 16 // rows.element_size())  # the tensor starts 16-byte aligned
+        assert bool(((pieces == 0).all(1) | (pieces == 1).all(1)).all())
+        assert int(end_counts.sum()) <= M * 2 * (shift - 1)
 
 
 @pytest.mark.parametrize("op", OPS)
