@@ -24,6 +24,8 @@
 #                                                  # the norms' backward across a cluster, the library's (18, 19),
                                                  # past 32768 (20 RMSNorm, 21 LayerNorm; session 19, prepared);
                                                  # softmax's one-row forward over k rows a cluster (22, session 19: lost)
+                                                 # softmax's forward past 131072: slices of 32768 or 16384 against
+                                                 # the fill and the clusters that fit (23, session 22, prepared)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -66,7 +68,8 @@ case $mode in
                "tune_norm.py --layer --directions bwd --sizes 12288,16384,24576,32768 --out /tmp"
                "tune_norm.py --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "tune_norm.py --layer --directions bwd --sizes 65536,131072,262144 --out /tmp"
-               "exp_softmax_cluster.py --form rounds --sizes 131072,262144")
+               "exp_softmax_cluster.py --form rounds --sizes 131072,262144"
+               "exp_softmax_fill.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
