@@ -73,10 +73,11 @@ def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
     at the row's start."""
     vec = 16 // rows[0].element_size()
     strides = [t.stride(0) for t in rows]
-    if N % 16 == 0 and all(s % 16 == 0 and t.data_ptr() % 16 == 0 for s, t in zip(strides, rows)):
-        return cdiv(N, block), 0  # Triton specialises these as 16-divisible: vector loads already
+    plain = cdiv(N, block), 0
     if N < vec or any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
-        return cdiv(N, block), 0
+        return plain  # no 16-byte boundary that every row of every tensor starts the same distance from
+    if N % 16 == 0 and all(s % 16 == 0 for s in strides):
+        return plain  # Triton specialises these as 16-divisible: vector loads already
     return cdiv(N // vec * vec, block), vec
 
 

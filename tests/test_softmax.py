@@ -156,14 +156,14 @@ def plans_run(monkeypatch, fn):
 
     with monkeypatch.context() as patch:
         patch.setattr(softmax_module, "launch", recorder(softmax_module.launch))
-        patch.setattr(softmax_module.cluster, "launch", recorder(softmax_module.cluster.launch))
+        patch.setattr(cluster, "launch", recorder(cluster.launch))
         fn()
     return launched
 
 
 @pytest.fixture
 def cluster_device(device):
-    if not softmax_module.cluster.available(torch.device(device)):
+    if not cluster.available(torch.device(device)):
         pytest.skip("thread-block clusters need a GPU of compute capability 9.0+ and compiled kernels")
     return device
 
@@ -244,7 +244,7 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
             return real_launch(kernel, rows, ctas, *args, **kwargs)
         return launch
 
-    monkeypatch.setattr(softmax_module.cluster, "launch", recording_launch(softmax_module.cluster.launch))
+    monkeypatch.setattr(cluster, "launch", recording_launch(cluster.launch))
     ours_fn, torch_fn = OPS[op]
     y = ours_fn(x, -1)
     assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
@@ -260,7 +260,7 @@ def test_cluster_window():
     bytes): only where every tensor starts 16-byte aligned and their strides agree modulo
     SHIFT; the CTAs then cover the row's whole 16-byte pieces (the last CTA takes the ends
     past them)."""
-    window = softmax_module.cluster.window
+    window = cluster.window
     rows = torch.empty(4, 65539 + 16, dtype=torch.bfloat16)
     assert window(65539, 8192, rows[:, :65539], torch.empty(4, 65539, dtype=torch.bfloat16)) == (8, 8)
     assert window(65536, 8192, torch.empty(4, 65536, dtype=torch.bfloat16)) == (8, 0)  # all 16-divisible
@@ -346,7 +346,7 @@ def test_packed_forward(op, dtype, N, monkeypatch, device):
     x = torch.randn(3, N, device=device, dtype=dtype) * 3
     x[0, 1::7] = float("-inf")
     x[1, 5] = 1e4 if dtype == torch.bfloat16 else 6e4
-    monkeypatch.setattr(softmax_module.cluster, "available", lambda device: False)  # where clusters take them
+    monkeypatch.setattr(cluster, "available", lambda device: False)  # where clusters take them
     assert forward_plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_packed_kernel"]
     x[2] = float("-inf")
     ours_fn, torch_fn = OPS[op]
@@ -547,6 +547,6 @@ def test_cluster_forward_in_a_cuda_graph(cluster_device):
 
 def test_cluster_size_checked():
     """A cluster outside 2..16 CTAs is refused before anything is launched."""
-    for size in (1, softmax_module.cluster.MAX_CLUSTER + 1):
+    for size in (1, cluster.MAX_CLUSTER + 1):
         with pytest.raises(ValueError, match=f"a cluster of {size} CTAs"):
-            softmax_module.cluster.launch(None, 1, size)
+            cluster.launch(None, 1, size)
