@@ -420,7 +420,10 @@ def _partial(y_raw, dy_raw, LOG: tl.constexpr):
 # Rows plan: (row length up to, elements per program at least, warps). Past the last
 # entry a row does not fit on chip and takes the split plan.
 FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 8)]
-BACKWARD_ROWS = [(1024, 2048, 4), (4096, 4096, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
+# Backward rows of 1025-4096 go two a program at 16 warps (session 23, two runs each at 4096:
+# log_softmax 1.003 / 1.002 against one a program's 0.962 / 0.962, softmax 1.001 / 1.003
+# against 1.002 / 1.006).
+BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
 # Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
 # the persistent grid (one round: the writes trail the reads by as many tickets as there
 # are programs, so a row's readers have finished when its writers come, and the lagged
@@ -466,6 +469,13 @@ CLUSTER_PAST = 16384
 _ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
 FORWARD_CLUSTER = [(65536, _ONE_ROW_8192), (131072, {**_ONE_ROW_8192, "LATE_WAIT": True}),
                    (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
+# Past 131072 a row whose slices of 32768 it fills less than FILL_BELOW (its last slice mostly
+# masked, the CTAs that hold it idle) goes in slices of 16384 / 8 warps, softmax only
+# (exp_softmax_fill.py, session 23: 0.797 / 0.730 / 0.790 -> 0.851 / 0.773 / 0.849 at 140000 /
+# 200003 / 200064, fills 0.85-0.87; at fills 0.92-1.0 the smaller slices won twice and lost six
+# times by up to 0.03). log_softmax's 16384 / 8 warps spill (0.46-0.63), so it keeps 32768.
+FORWARD_FILL_BELOW = 0.9
+FORWARD_LOW_FILL = {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "PERSISTENT": True}
 # float32 (tune_softmax.py --dtype fp32, session 17): one row a cluster of 8192 / 8 warps,
 # 0.95 at 32768 and 0.96 at 131072, against persistent clusters' 0.89 / 0.91; at 262144
 # persistent clusters of 16384 / 32 warps, 0.90 (16 warps 0.89; 32768-element slices spill).
@@ -523,7 +533,11 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
     if packable and low < N <= high:
         cfg = packed
-    return _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
+    cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
+    fill = N / (cdiv(N, 32768) * 32768)  # of the slices of 32768 a row takes
+    if cfg["plan"] == "cluster" and cfg["BLOCK"] == 32768 and not log and fill < FORWARD_FILL_BELOW:
+        return FORWARD_LOW_FILL
+    return cfg
 
 
 def backward_config(N, log, item_size=2, clusters=False):

@@ -121,8 +121,10 @@ def test_long_rows_forward_plans():
 def test_long_rows_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, rows past 16384 elements go across a cluster
     up to 262144: one row a cluster of 8192-element slices up to 131072 (past 65536 waiting
-    for the peers late), persistent clusters of 32768-element slices past it; float32 rows one a cluster of 8192 up to 131072, then
-    persistent clusters of 16384. Shorter and longer rows keep their plans."""
+    for the peers late), persistent clusters of 32768-element slices past it, or of 16384 for
+    softmax where the row fills its slices of 32768 less than 0.9; float32 rows one a cluster
+    of 8192 up to 131072, then persistent clusters of 16384. Shorter and longer rows keep
+    their plans."""
     one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
     for log in (False, True):
         config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
@@ -130,8 +132,11 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(1000)["plan"] == "rows" and config(16384)["plan"] == "rows"
         assert config(16385) == config(32768) == config(65536) == one_row
         assert config(65537) == config(131072) == {**one_row, "LATE_WAIT": True}
-        assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 32768, "num_warps": 16,
-                                                    "PERSISTENT": True}
+        slices_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "PERSISTENT": True}
+        slices_16384 = {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "PERSISTENT": True}
+        assert config(151936) == config(180000) == config(262144) == slices_32768  # fills 0.93, 0.92, 1
+        for N in (131073, 140000, 200003):  # fills 0.80, 0.85, 0.87
+            assert config(N) == (slices_32768 if log else slices_16384)
         assert config(262145)["plan"] == "split"
         assert config(16385, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
                                                          "PERSISTENT": False}
