@@ -469,11 +469,12 @@ CLUSTER_PAST = 16384
 _ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
 FORWARD_CLUSTER = [(65536, _ONE_ROW_8192), (131072, {**_ONE_ROW_8192, "LATE_WAIT": True}),
                    (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
-# Past 131072 a row whose slices of 32768 it fills less than FILL_BELOW (its last slice mostly
-# masked, the CTAs that hold it idle) goes in slices of 16384 / 8 warps, softmax only
-# (exp_softmax_fill.py, session 23: 0.797 / 0.730 / 0.790 -> 0.851 / 0.773 / 0.849 at 140000 /
-# 200003 / 200064, fills 0.85-0.87; at fills 0.92-1.0 the smaller slices won twice and lost six
-# times by up to 0.03). log_softmax's 16384 / 8 warps spill (0.46-0.63), so it keeps 32768.
+# Past 131072 a row whose slices of 32768 it fills less than FORWARD_FILL_BELOW (its last
+# slice mostly masked, the CTAs that hold it idle) goes in slices of 16384 / 8 warps, softmax
+# only (session 23, kernel alone: 0.713 / 0.797 / 0.730 / 0.790 -> 0.802 / 0.851 / 0.773 /
+# 0.849 at 135000 / 140000 / 200003 / 200064, fills 0.82-0.87; 170000 0.759 -> 0.751; where
+# rows fill 0.92-1.0 the smaller slices won three times and lost four, by up to 0.03).
+# log_softmax's 16384 / 8 warps take 176 registers (0.46-0.63), so it keeps 32768.
 FORWARD_FILL_BELOW = 0.9
 FORWARD_LOW_FILL = {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "PERSISTENT": True}
 # float32 (tune_softmax.py --dtype fp32, session 17): one row a cluster of 8192 / 8 warps,
@@ -534,9 +535,10 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     if packable and low < N <= high:
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
-    fill = N / (cdiv(N, 32768) * 32768)  # of the slices of 32768 a row takes
-    if cfg["plan"] == "cluster" and cfg["BLOCK"] == 32768 and not log and fill < FORWARD_FILL_BELOW:
-        return FORWARD_LOW_FILL
+    if cfg["plan"] == "cluster" and cfg["BLOCK"] == 32768 and not log:
+        fill = N / (cdiv(N // 8 * 8, 32768) * 32768)  # of the slices `cluster.window` cuts (16-byte pieces)
+        if fill < FORWARD_FILL_BELOW:
+            return FORWARD_LOW_FILL
     return cfg
 
 

@@ -134,8 +134,9 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(65537) == config(131072) == {**one_row, "LATE_WAIT": True}
         slices_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "PERSISTENT": True}
         slices_16384 = {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "PERSISTENT": True}
-        assert config(151936) == config(180000) == config(262144) == slices_32768  # fills 0.93, 0.92, 1
-        for N in (131073, 140000, 200003):  # fills 0.80, 0.85, 0.87
+        # fills 1 (the 16-byte pieces fill 4 slices; the last element rides with the last), 0.93, 0.92, 1
+        assert config(131073) == config(151936) == config(180000) == config(262144) == slices_32768
+        for N in (135000, 140000, 200003):  # fills 0.82, 0.85, 0.87
             assert config(N) == (slices_32768 if log else slices_16384)
         assert config(262145)["plan"] == "split"
         assert config(16385, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
