@@ -185,9 +185,10 @@ def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexp
     the row's whole 16-byte pieces only, so the mask changes only at multiples of SHIFT and
     the loads and stores are vectors (the row's other elements: `row_ends`)."""
     at = rank * BLOCK + tl.arange(0, BLOCK)
+    end = N
     if SHIFT:
-        return at < (N - _head(row, row_stride, SHIFT)) // SHIFT * SHIFT
-    return at < N
+        end = (N - _head(row, row_stride, SHIFT)) // SHIFT * SHIFT
+    return at < end  # one return: `row` may be a column of rows (a tile's), `at` broadcast against it
 
 
 @triton.jit

@@ -47,26 +47,47 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 @triton.jit
 def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One tile of BLOCK_M whole rows: read once, reduce in registers, write once. EVEN
-    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row). SHIFT (rows whose
+    # starts no vector width divides): each row from its first 16-byte boundary, as one
+    # slice of a cluster of one (cluster.window), its ends an element at a time.
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
-                other=-float("inf")).to(tl.float32)
+    if SHIFT:
+        row = rows.to(tl.int64)[:, None]
+        x, x_ends = _load_slice(x_ptr, row, M, N, x_row_stride, 0, BLOCK_N, SHIFT, 1)
+        y, y_ends = _rows_forward(x.to(tl.float32), x_ends.to(tl.float32), LOG, True)
+        _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, 0, BLOCK_N, SHIFT, 1)
+    else:
+        cols = tl.arange(0, BLOCK_N)
+        mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
+                    other=-float("inf")).to(tl.float32)
+        y, _ = _rows_forward(x, x, LOG, False)
+        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_forward(x, x_ends, LOG: tl.constexpr, ENDS: tl.constexpr):
+    """(log_)softmax along axis 1 of a tile of rows x (float32) and, where ENDS, of the
+    rows' other elements x_ends (their own tile)."""
     row_max = tl.max(x, axis=1)
+    if ENDS:
+        row_max = tl.maximum(row_max, tl.max(x_ends, axis=1))
     e = tl.exp2((x - row_max[:, None]) * LOG2E)
     total = tl.sum(e, axis=1)
-    if LOG:
-        y = (x - row_max[:, None]) - tl.log(total)[:, None]  # x - max first: exact, no cancellation
-    else:
-        y = e * (1.0 / total)[:, None]
-    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=mask)
+    e_ends = x_ends
+    if ENDS:
+        e_ends = tl.exp2((x_ends - row_max[:, None]) * LOG2E)
+        total += tl.sum(e_ends, axis=1)
+    if LOG:  # x - max first: exact, no cancellation
+        log_total = tl.log(total)[:, None]
+        return (x - row_max[:, None]) - log_total, (x_ends - row_max[:, None]) - log_total
+    scale = (1.0 / total)[:, None]
+    return e * scale, e_ends * scale
 
 
 @triton.jit
@@ -270,22 +291,30 @@ def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LO
 
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+                          SHIFT: tl.constexpr = 0):
     if ALIGN > 1:  # as in the forward
         N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
         dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    rows = rows.to(tl.int64)
-    y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if LOG:
-        dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
+    if SHIFT:  # as in the forward
+        row = rows.to(tl.int64)[:, None]
+        y, y_ends = _load_slice(y_ptr, row, M, N, y_row_stride, 0, BLOCK_N, SHIFT, 1, other=0.0)
+        dy, dy_ends = _load_slice(dy_ptr, row, M, N, dy_row_stride, 0, BLOCK_N, SHIFT, 1, other=0.0)
+        total = (_partial(y, dy, LOG, AXIS=1) + _partial(y_ends, dy_ends, LOG, AXIS=1))[:, None]
+        _store_slice(dx_ptr, _dx(y, dy, total, LOG), _dx(y_ends, dy_ends, total, LOG), row, M, N,
+                     y_row_stride, dx_row_stride, 0, BLOCK_N, SHIFT, 1)
     else:
-        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
-    tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        cols = tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        rows = rows.to(tl.int64)
+        y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
+        else:
+            dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -402,6 +431,7 @@ def _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG: tl.con
 
 @triton.jit
 def _dx(y_raw, dy_raw, total, LOG: tl.constexpr):
+    """dx from y, dy and the row's `_partial` sums (broadcast against them)."""
     y, dy = y_raw.to(tl.float32), dy_raw.to(tl.float32)
     if LOG:
         return dy - tl.exp2(y * LOG2E) * total
@@ -409,10 +439,11 @@ def _dx(y_raw, dy_raw, total, LOG: tl.constexpr):
 
 
 @triton.jit
-def _partial(y_raw, dy_raw, LOG: tl.constexpr):
+def _partial(y_raw, dy_raw, LOG: tl.constexpr, AXIS: tl.constexpr = 0):
+    """The row sum dx needs, along AXIS: sum(dy) (log_softmax) or sum(y * dy) (softmax)."""
     if LOG:
-        return tl.sum(dy_raw.to(tl.float32), axis=0)
-    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=0)
+        return tl.sum(dy_raw.to(tl.float32), axis=AXIS)
+    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=AXIS)
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -424,6 +455,13 @@ FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 163
 # log_softmax 1.003 / 1.002 against one a program's 0.962 / 0.962, softmax 1.001 / 1.003
 # against 1.002 / 1.006).
 BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
+# Rows of a length no vector width divides, past ROWS_SHIFT_PAST: each row from its first
+# 16-byte boundary, its ends an element at a time (SHIFT; session 23, kernel alone, bf16,
+# forward / backward, 2-byte loads -> SHIFT: 7001 0.59 / 0.75 -> 0.62 / 0.83, 8191 0.65 / 0.75
+# -> 0.69 / 0.89, 12289 0.42 / 0.59 -> 0.79 / 0.88, 16383 0.46 / 0.62 -> 0.89 / 0.96). Shorter
+# rows lost with it (1001 0.81 / 0.86 -> 0.63 / 0.69, 3001 0.52 / 0.77 -> 0.39 / 0.50; softmax's
+# backward at 6143 0.80 -> 0.77) and keep the narrower loads.
+ROWS_SHIFT_PAST = 6144
 # Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
 # the persistent grid (one round: the writes trail the reads by as many tickets as there
 # are programs, so a row's readers have finished when its writers come, and the lagged
@@ -552,15 +590,28 @@ def backward_config(N, log, item_size=2, clusters=False):
     return cfg
 
 
+def _rows_shift(N, *rows):
+    """The rows plan's SHIFT: for rows past ROWS_SHIFT_PAST whose length or a row stride
+    leaves their starts short of 16-byte alignment (no ALIGN gives 16-byte vectors), the rows
+    from their first 16-byte boundary as `cluster.window` allows; else 0 (ALIGN, Triton's own
+    16-divisibility, or narrower loads)."""
+    vec = 16 // rows[0].element_size()
+    if N <= ROWS_SHIFT_PAST or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
+        return 0
+    return cluster.window(N, N, *rows)[1]
+
+
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
     cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
+        shift = _rows_shift(N, x, y)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
-               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+               ALIGN=1 if shift else row_alignment(N, x.stride(0), y.stride(0)), SHIFT=shift,
+               num_warps=cfg["num_warps"])
     elif cfg["plan"] == "packed":
         launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log,
                BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
@@ -588,9 +639,11 @@ def launch_backward(y, dy, dx, log, config=None):
     cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
+        shift = _rows_shift(N, y, dy, dx)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+               ALIGN=1 if shift else row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), SHIFT=shift,
+               num_warps=cfg["num_warps"])
     elif cfg["plan"] == "cluster":
         ctas, shift = cluster.window(N, cfg["BLOCK"], y, dy, dx)
         cluster.launch(_backward_cluster_kernel, M, ctas, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0),

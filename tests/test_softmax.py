@@ -61,6 +61,36 @@ def test_rows_of_every_length(op, dtype, N, device):
     check_op(op, x)
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N, x_pad", [(9, 16), (1001, 16), (4097, 16), (1001, 1)])
+def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
+    """The rows plan at lengths no vector width divides: each row from its first 16-byte
+    boundary (SHIFT, as across a cluster), its whole 16-byte pieces as vectors and its ends
+    element by element; x a view x_pad elements wider a row than y, dy 16 wider. With x_pad 16
+    the forward's strides agree modulo 16 bytes (SHIFT taken), with 1 they do not (SHIFT 0:
+    element by element); the backward's (y, dy, dx) always agree. The extremes sit in the
+    ends: the max in a row's first element, in another's last, -inf heading a third. The
+    library takes SHIFT past ROWS_SHIFT_PAST only; here from 9 elements, to test it small."""
+    monkeypatch.setattr(softmax_module, "ROWS_SHIFT_PAST", 0)
+    wide = torch.randn(23, N + x_pad, device=device) * 3
+    wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
+    wide[3, :3] = -float("inf")
+    x = wide.to(dtype)[:, :N]
+    dy = torch.randn(23, N + 16, device=device).to(dtype)[:, :N]
+    shifts = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        shifts.append((kernel.__name__, kwargs["SHIFT"]))
+        real_launch(kernel, grid, *args, **kwargs)
+
+    real_launch = softmax_module.launch
+    monkeypatch.setattr(softmax_module, "launch", recording_launch)
+    check_op(op, x, dy=dy)
+    vec = 16 // x.element_size()
+    assert shifts == [("_forward_rows_kernel", vec if x_pad == 16 else 0), ("_backward_rows_kernel", vec)]
+
+
 @pytest.mark.parametrize("lag_rounds", [1, 4, 10**6])
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (2, 1000), (9, 130)])
 def test_split_plan_with_small_slices(M, N, lag_rounds, device):
@@ -259,6 +289,17 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
     assert_matches(dx, dx_exact, dx_exact.to(dtype))
     backward_plan = softmax_module.backward_config(N, log, x.element_size(), clusters=True)["plan"]
     assert shifts == [16 // x.element_size()] * (2 if backward_plan == "cluster" else 1)
+
+
+def test_rows_shift_where_it_won():
+    """The rows plan moves rows from their 16-byte boundaries only past ROWS_SHIFT_PAST
+    elements, and only where no ALIGN gives 16-byte vectors already."""
+    def shift(N, dtype=torch.bfloat16, pad=16):
+        return softmax_module._rows_shift(N, torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype))
+    past = softmax_module.ROWS_SHIFT_PAST
+    assert shift(past - 1) == 0 and shift(past + 1) == 8 and shift(past + 1, torch.float32) == 4
+    assert shift(past + 8) == 0                  # 8-divisible: ALIGN's 16-byte vectors
+    assert shift(past + 1, pad=1) == 0           # strides that disagree modulo 16 bytes
 
 
 def test_cluster_window():
