@@ -25,7 +25,9 @@
                                                  # past 32768 (20 RMSNorm, 21 LayerNorm; session 19, prepared);
                                                  # softmax's one-row forward over k rows a cluster (22, session 19: lost)
                                                  # softmax's forward past 131072: slices of 32768 or 16384 against
-                                                 # the fill and the clusters that fit (23, session 22, prepared)
+                                                 # the fill and the clusters that fit (23, session 22; run in 23)
+                                                 # odd rows of the rows plan one a program with 1-D ends
+                                                 # (24, session 23, prepared)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -69,7 +71,7 @@ case $mode in
                "tune_norm.py --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "tune_norm.py --layer --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "exp_softmax_cluster.py --form rounds --sizes 131072,262144"
-               "exp_softmax_fill.py")
+               "exp_softmax_fill.py" "exp_softmax_rows_shift.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
