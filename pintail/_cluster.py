@@ -81,6 +81,17 @@ def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
     return cdiv(N // vec * vec, block), vec
 
 
+def vector_shift(N: int, *rows: torch.Tensor) -> int:
+    """SHIFT (`window`) for a row kernel that otherwise takes ALIGN (_launch.row_alignment):
+    where the row length or a row stride leaves the rows' starts short of 16-byte alignment,
+    the rows from their first 16-byte boundary as `window` allows; else 0 (ALIGN's vectors,
+    or Triton's own 16-divisibility, are 16 bytes already)."""
+    vec = 16 // rows[0].element_size()
+    if all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
+        return 0
+    return window(N, N, *rows)[1]
+
+
 # ------------------------------------------------------------------------ device side
 
 
@@ -174,7 +185,7 @@ def slice_start(row, row_stride, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _head(row, row_stride, SHIFT: tl.constexpr):
+def row_head(row, row_stride, SHIFT: tl.constexpr):
     """How many of `row`'s elements lie before its slices' start (`slice_start`)."""
     return ((SHIFT - row.to(tl.int64) * row_stride % SHIFT) % SHIFT).to(tl.int32)
 
@@ -187,7 +198,7 @@ def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexp
     at = rank * BLOCK + tl.arange(0, BLOCK)
     end = N
     if SHIFT:
-        end = (N - _head(row, row_stride, SHIFT)) // SHIFT * SHIFT
+        end = (N - row_head(row, row_stride, SHIFT)) // SHIFT * SHIFT
     return at < end  # one return: `row` may be a column of rows (a tile's), `at` broadcast against it
 
 
@@ -198,7 +209,7 @@ def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
     the up to SHIFT - 1 after the last whole piece (the CTA whose slice holds them, or the
     last CTA where they lie past every slice: `window`), as one small tensor of 2 x SHIFT
     entries, loaded and stored an element at a time."""
-    head = _head(row, row_stride, SHIFT)
+    head = row_head(row, row_stride, SHIFT)
     end_whole = (N - head) // SHIFT * SHIFT
     j = tl.arange(0, 2 * SHIFT)
     at = tl.where(j < SHIFT, j - SHIFT, end_whole + j - SHIFT)

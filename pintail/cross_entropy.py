@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import _cluster as cluster, reference
 from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
                       row_alignment, runs_kernels)
 
@@ -127,31 +127,52 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 
 
 @triton.jit
+def _fold_chunk(x, classes, mask, running_max, running_sum, weighted_x, weight_total, weight_ptr,
+                HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
+    """Fold a chunk of logits x (of `classes`, where mask) into the row's running (max, sum)
+    and, for smoothing, sum_j w_j (x_j - max) and W."""
+    new_max, running_sum = _online_lse_step(x, running_max, running_sum)
+    if SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
+        else:
+            w = mask.to(tl.float32)
+        weighted_x, weight_total = _shifted_sum_step(weighted_x, weight_total, running_max, new_max, w, x)
+    return new_max, running_sum, weighted_x, weight_total
+
+
+@triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
                     z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                    BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
-    # W = sum_j w_j), then the loss.
+    # W = sum_j w_j), then the loss. SHIFT (rows whose starts no vector width divides): the
+    # chunks from the row's first 16-byte boundary (class `first`), over its whole 16-byte
+    # pieces, and the up to 2 x (SHIFT - 1) classes outside them one at a time (cluster.window).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
+    chunks, first, span = x_row, 0, V
+    if SHIFT:
+        chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
+        first = cluster.row_head(row, x_row_stride, SHIFT)
+        span = (V - first) // SHIFT * SHIFT
     running_max = -float("inf")
     running_sum = 0.0
     weighted_x = 0.0
     weight_total = 0.0
-    for start in range(0, V, BLOCK):
+    for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
-        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
-        if SMOOTH:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                w = mask.to(tl.float32)
-            weighted_x, weight_total = _shifted_sum_step(weighted_x, weight_total, running_max, new_max, w, x)
-        running_max = new_max
+        mask = cols < span
+        x = _logits(chunks, cols, mask, softcap, SOFTCAP)
+        running_max, running_sum, weighted_x, weight_total = _fold_chunk(
+            x, first + cols, mask, running_max, running_sum, weighted_x, weight_total, weight_ptr, HAS_WEIGHT, SMOOTH)
+    if SHIFT:
+        at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
+        x = _logits(chunks, at, ends, softcap, SOFTCAP)
+        running_max, running_sum, weighted_x, weight_total = _fold_chunk(
+            x, first + at, ends, running_max, running_sum, weighted_x, weight_total, weight_ptr, HAS_WEIGHT, SMOOTH)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
 
@@ -227,13 +248,18 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
                      x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
-                     BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    # One chunk of one row: read the logits again, write the gradient.
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+    # One chunk of one row: read the logits again, write the gradient. SHIFT: the chunks as
+    # in the forward; chunk 0 also takes the classes outside the row's whole 16-byte pieces.
     if ALIGN > 1:  # as in the forward
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < V
+    if SHIFT:
+        first = cluster.row_head(row, x_row_stride, SHIFT)
+        mask = cols < (V - first) // SHIFT * SHIFT
+    else:
+        mask = cols < V
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
@@ -245,7 +271,33 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     else:
         w_t = 1.0
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if SHIFT:
+        x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
+        dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
+        x = tl.load(x_chunks + cols, mask=mask, other=0.0).to(tl.float32)
+        d = _class_gradient(x, first + cols, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V,
+                            smoothing, z_scale, softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH, SOFTCAP)
+        tl.store(dx_chunks + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+        if tl.program_id(1) == 0:
+            at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
+            x_ends = tl.load(x_chunks + at, mask=ends, other=0.0).to(tl.float32)
+            d_ends = _class_gradient(x_ends, first + at, ends, t, w_t, row_max, log_sum, lse, g, ignored, in_range,
+                                     V, smoothing, z_scale, softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH,
+                                     SOFTCAP)
+            tl.store(dx_chunks + at, d_ends.to(dx_ptr.dtype.element_ty), mask=ends)
+    else:
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        d = _class_gradient(x, cols, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V, smoothing, z_scale,
+                            softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH, SOFTCAP)
+        tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _class_gradient(x, classes, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V, smoothing, z_scale,
+                    softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
+    """dloss/dx of logits x (of `classes`, where mask), times the row's loss gradient g: 0 in
+    an ignored row, NaN where the target is out of range."""
     if SOFTCAP:
         capped = _softcapped(x, softcap)
         x = capped
@@ -253,18 +305,17 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * lse
     if SMOOTH:
         coef += smoothing / V * _weight_total(weight_total_ptr, V, HAS_WEIGHT)
-    d = p * coef - tl.where(cols == t, (1.0 - smoothing) * w_t, 0.0)
+    d = p * coef - tl.where(classes == t, (1.0 - smoothing) * w_t, 0.0)
     if SMOOTH:
         if HAS_WEIGHT:
-            d -= smoothing / V * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            d -= smoothing / V * tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
         else:
             d -= smoothing / V
     if SOFTCAP:
         tanh = capped / softcap
         d *= 1.0 - tanh * tanh
     d = tl.where(ignored, 0.0, d * g)
-    d = tl.where(in_range | ignored, d, float("nan"))
-    tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.where(in_range | ignored, d, float("nan"))
 
 
 @triton.jit
@@ -310,8 +361,21 @@ TARGET_CHECK_BLOCK = 4096
 BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
 
 
+# Vocabularies no vector width divides (32001, 50257) go from each row's first 16-byte
+# boundary, the classes outside its whole 16-byte pieces one at a time (SHIFT, as softmax's
+# long rows), class-index targets only. Written in session 23 and checked in the
+# interpreter; off until measured on the H200 against the 2-byte loads it replaces
+# (V = 50264, 8-divisible, went 0.67 / 0.54 -> 0.79 / 0.78 with 16-byte vectors: session 10).
+ODD_VOCAB_SHIFT = False
+
+
 def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
+
+
+def _vocab_shift(V, prob_target, *rows):
+    """SHIFT for the class-index kernels (ODD_VOCAB_SHIFT); 0 for probability targets."""
+    return cluster.vector_shift(V, *rows) if ODD_VOCAB_SHIFT and not prob_target else 0
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -342,14 +406,15 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
+    shift = _vocab_shift(V, prob_target, x)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
-                  ALIGN=row_alignment(V, *strides), num_warps=FORWARD_WARPS)
+                  ALIGN=1 if shift else row_alignment(V, *strides), num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
     else:
         launch(_forward_kernel, (M,), x, target, w, loss, stats, V, x.stride(0), ignore_index, smoothing, z_scale,
-               softcap, SMOOTH=smoothing > 0, **common)
+               softcap, SMOOTH=smoothing > 0, SHIFT=shift, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
                HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS)
@@ -385,8 +450,9 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
+    shift = _vocab_shift(V, prob_target, x, dx)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  ALIGN=row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
+                  ALIGN=1 if shift else row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
@@ -395,7 +461,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     else:
         launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
                x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
-               SMOOTH=smoothing > 0, **common)
+               SMOOTH=smoothing > 0, SHIFT=shift, **common)
     return dx
 
 

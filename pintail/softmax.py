@@ -490,8 +490,9 @@ FORWARD_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 
 FORWARD_TWO_PASS = {False: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 8},
                     True: {"plan": "two_pass", "BLOCK": 8192, "num_warps": 16}}  # by log
 # Past CLUSTER_PAST elements, where the GPU has thread-block clusters, rows go across a
-# cluster as the tables below say (row length up to, the cluster plan's config). PERSISTENT: as many clusters as fit at once take the rows in turn, loading
-# the next row's slice ahead; else one cluster a row (_forward_cluster_kernel).
+# cluster as the tables below say (row length up to, the cluster plan's config).
+# PERSISTENT: as many clusters as fit at once take the rows in turn, loading the next
+# row's slice ahead; else one cluster a row (_forward_cluster_kernel).
 CLUSTER_PAST = 16384
 # Forward, kernel alone, H200, bf16 (tune_softmax.py --plans cluster,two_pass,rows, session
 # 17): one row a cluster of 8192-element slices, 4 warps held to 80 registers (softmax's 87
@@ -591,14 +592,8 @@ def backward_config(N, log, item_size=2, clusters=False):
 
 
 def _rows_shift(N, *rows):
-    """The rows plan's SHIFT: for rows past ROWS_SHIFT_PAST whose length or a row stride
-    leaves their starts short of 16-byte alignment (no ALIGN gives 16-byte vectors), the rows
-    from their first 16-byte boundary as `cluster.window` allows; else 0 (ALIGN, Triton's own
-    16-divisibility, or narrower loads)."""
-    vec = 16 // rows[0].element_size()
-    if N <= ROWS_SHIFT_PAST or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
-        return 0
-    return cluster.window(N, N, *rows)[1]
+    """The rows plan's SHIFT (cluster.vector_shift) for rows past ROWS_SHIFT_PAST; else 0."""
+    return cluster.vector_shift(N, *rows) if N > ROWS_SHIFT_PAST else 0
 
 
 def launch_forward(x, y, log, config=None):

@@ -6,6 +6,8 @@ bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradien
 session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an online loop.
 
     python scripts/tune_cross_entropy.py [--sizes 32768,131072] [--default-only]
+    python scripts/tune_cross_entropy.py --sizes 32001,50257 --odd-vocab-shift   # the default config with
+        # ODD_VOCAB_SHIFT off and on, alternating, twice each (odd vocabularies from 16-byte boundaries)
 """
 
 import argparse
@@ -23,6 +25,8 @@ def main():
     p.add_argument("--sizes", default="32768,131072,262144")
     p.add_argument("--out", default=".", help="unused (device_run.sh's ab mode passes it)")
     p.add_argument("--default-only", action="store_true", help="time the library's default configuration alone")
+    p.add_argument("--odd-vocab-shift", action="store_true",
+                   help="the default configuration with ce.ODD_VOCAB_SHIFT off and on, alternating, twice each")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
     copy_bw = copy_bandwidth()
@@ -35,7 +39,22 @@ def main():
         target = torch.randint(0, V, (M,), device="cuda")
         _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
-        sweep = [None] if args.default_only else itertools.product((4096, 8192, 16384, 32768), (4, 8, 16))
+        if args.odd_vocab_shift:
+            for run, shift in ((1, False), (1, True), (2, False), (2, True)):
+                ce.ODD_VOCAB_SHIFT = shift
+                label = ("shift" if shift else "2-byte", run)
+                _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
+                record(results, "fwd", V, label,
+                       lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                       M * V * 2, copy_bw, None)
+                record(results, "bwd", V, label,
+                       lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                                            denominator),
+                       2 * M * V * 2, copy_bw, None)
+            ce.ODD_VOCAB_SHIFT = False
+            sweep = []
+        else:
+            sweep = [None] if args.default_only else itertools.product((4096, 8192, 16384, 32768), (4, 8, 16))
         for pair in sweep:  # (BLOCK, warps) for both kernels; None: each kernel's default
             if pair and pair[0] // (32 * pair[1]) > 64:  # more than 64 elements a thread: spills
                 continue

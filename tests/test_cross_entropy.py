@@ -101,6 +101,42 @@ def test_class_targets(dtype, V, options, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V, x_pad", [(9, 16), (1001, 16), (MULTI_CHUNK + 1, 16), (1001, 1)])
+@pytest.mark.parametrize("options", [{}, {"weight": "w", "label_smoothing": 0.25}, {"ignore_index": 3, "weight": "w"},
+                                     {"reduction": "none", "label_smoothing": 0.1}, {"z_loss": 1e-3, "softcap": 15.0}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, monkeypatch, device):
+    """ODD_VOCAB_SHIFT (off in the library until measured on the H200): class-index rows of a
+    length no vector width divides go from their first 16-byte boundary, the classes outside
+    their whole 16-byte pieces one at a time. The logits are a view x_pad classes wider a row
+    than the gradient: the forward reads the logits alone (SHIFT taken); the backward's
+    strides agree modulo 16 bytes with x_pad 16 (SHIFT taken), not with 1 (SHIFT 0). Targets
+    and the largest logits sit in the ends."""
+    monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
+    M = 6
+    wide = torch.randn(M, V + x_pad, device=device) * 3
+    wide[4, 0] = wide[5, V - 1] = 30.0
+    x = wide.to(dtype)[:, :V]
+    kw = with_weight(options, V, device)
+    target = class_targets(M, V, device, ignored=() if "ignore_index" in kw else (1,))
+    target[2], target[3] = 0, V - 1
+    if "ignore_index" in kw:
+        target[0] = kw["ignore_index"]
+    shifts = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        if kernel.__name__ in ("_forward_kernel", "_backward_kernel"):
+            shifts.append(kwargs["SHIFT"])
+        real_launch(kernel, grid, *args, **kwargs)
+
+    real_launch = ce_module.launch
+    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    check(x, target, **kw)
+    vec = 16 // x.element_size()
+    assert shifts == [vec, vec if x_pad == 16 else 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("V", [7, MULTI_CHUNK])
 @pytest.mark.parametrize("options", [{}, {"weight": "w"}, {"label_smoothing": 0.2}, {"reduction": "none"},
                                      {"reduction": "sum", "weight": "w", "label_smoothing": 0.1}],
