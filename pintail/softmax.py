@@ -574,9 +574,9 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     if packable and low < N <= high:
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
-    if cfg["plan"] == "cluster" and cfg["BLOCK"] == 32768 and not log:
-        fill = N / (cdiv(N // 8 * 8, 32768) * 32768)  # of the slices `cluster.window` cuts (16-byte pieces)
-        if fill < FORWARD_FILL_BELOW:
+    if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
+        block, vec = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts: whole 16-byte pieces
+        if N / (cdiv(N // vec * vec, block) * block) < FORWARD_FILL_BELOW:
             return FORWARD_LOW_FILL
     return cfg
 
