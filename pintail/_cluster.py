@@ -87,8 +87,8 @@ def vector_shift(N: int, *rows: torch.Tensor) -> int:
     the rows from their first 16-byte boundary as `window` allows; else 0 (ALIGN's vectors,
     or Triton's own 16-divisibility, are 16 bytes already)."""
     vec = 16 // rows[0].element_size()
-    if all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
-        return 0
+    if N < vec or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
+        return 0  # no whole 16-byte piece (an empty row too), or vectors already
     return window(N, N, *rows)[1]
 
 

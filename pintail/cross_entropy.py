@@ -363,10 +363,14 @@ BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
 
 # Vocabularies no vector width divides (32001, 50257) go from each row's first 16-byte
 # boundary, the classes outside its whole 16-byte pieces one at a time (SHIFT, as softmax's
-# long rows), class-index targets only. Written in session 23 and checked in the
-# interpreter; off until measured on the H200 against the 2-byte loads it replaces
-# (V = 50264, 8-divisible, went 0.67 / 0.54 -> 0.79 / 0.78 with 16-byte vectors: session 10).
-ODD_VOCAB_SHIFT = False
+# long rows), class-index targets only. Session 24, H200, bf16, M*V = 2^27, kernels alone,
+# off / on alternating, forward / backward fraction of copy (2-byte loads -> SHIFT): 32001
+# 0.66 / 0.57 -> 0.77 / 0.83, 50257 0.68 / 0.53 -> 0.80 / 0.77, 128257 0.78 / 0.57 -> 0.94 /
+# 0.85, 151937 0.79 / 0.57 -> 0.95 / 0.84, 256001 0.80 / 0.57 -> 0.97 / 0.84 (4 runs each at
+# 32001 and 50257, 2 elsewhere; two single readings of 0.37 and 0.52 in one run were not
+# repeated). ODD_VOCAB_SHIFT False: the 2-byte loads (tune_cross_entropy.py --odd-vocab-shift
+# compares the two).
+ODD_VOCAB_SHIFT = True
 
 
 def _block(V, block):

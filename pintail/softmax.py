@@ -47,47 +47,40 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 @triton.jit
 def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # One tile of BLOCK_M whole rows: read once, reduce in registers, write once. EVEN
-    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row). SHIFT (rows whose
-    # starts no vector width divides): each row from its first 16-byte boundary, as one
-    # slice of a cluster of one (cluster.window), its ends an element at a time.
+    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SHIFT:
-        row = rows.to(tl.int64)[:, None]
-        x, x_ends = _load_slice(x_ptr, row, M, N, x_row_stride, 0, BLOCK_N, SHIFT, 1)
-        y, y_ends = _rows_forward(x.to(tl.float32), x_ends.to(tl.float32), LOG, True)
-        _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, 0, BLOCK_N, SHIFT, 1)
+    cols = tl.arange(0, BLOCK_N)
+    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    row_max = tl.max(x, axis=1)
+    e = tl.exp2((x - row_max[:, None]) * LOG2E)
+    total = tl.sum(e, axis=1)
+    if LOG:
+        y = (x - row_max[:, None]) - tl.log(total)[:, None]  # x - max first: exact, no cancellation
     else:
-        cols = tl.arange(0, BLOCK_N)
-        mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
-        rows = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
-                    other=-float("inf")).to(tl.float32)
-        y, _ = _rows_forward(x, x, LOG, False)
-        tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = e * (1.0 / total)[:, None]
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rows_forward(x, x_ends, LOG: tl.constexpr, ENDS: tl.constexpr):
-    """(log_)softmax along axis 1 of a tile of rows x (float32) and, where ENDS, of the
-    rows' other elements x_ends (their own tile)."""
-    row_max = tl.max(x, axis=1)
-    if ENDS:
-        row_max = tl.maximum(row_max, tl.max(x_ends, axis=1))
-    e = tl.exp2((x - row_max[:, None]) * LOG2E)
-    total = tl.sum(e, axis=1)
-    e_ends = x_ends
-    if ENDS:
-        e_ends = tl.exp2((x_ends - row_max[:, None]) * LOG2E)
-        total += tl.sum(e_ends, axis=1)
-    if LOG:  # x - max first: exact, no cancellation
-        log_total = tl.log(total)[:, None]
-        return (x - row_max[:, None]) - log_total, (x_ends - row_max[:, None]) - log_total
-    scale = (1.0 / total)[:, None]
-    return e * scale, e_ends * scale
+def _forward_row_shift_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl.constexpr,
+                              BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    # One row a program, for rows whose starts no vector width divides: the row's whole
+    # 16-byte pieces from its first 16-byte boundary as one 1-D slice (a cluster of one:
+    # cluster.window), its at most 2 x (SHIFT - 1) other elements as a 1-D tensor of their own,
+    # one load a thread (as a [rows, 2 x SHIFT] tile they were replicated in every thread).
+    row = tl.program_id(0).to(tl.int64)
+    x, x_ends = _load_slice(x_ptr, row, M, N, x_row_stride, 0, BLOCK, SHIFT, 1)
+    y, y_ends, _ = _softmax_across_cluster(x.to(tl.float32), x_ends.to(tl.float32), 0, 0, 0, LOG, 1, 1, False,
+                                           SHIFT > 0)
+    _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, 0, BLOCK, SHIFT, 1)
 
 
 @triton.jit
@@ -194,7 +187,7 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
                             CLUSTER_POW2: tl.constexpr, WAIT: tl.constexpr, ENDS: tl.constexpr):
     """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32),
     and of the row's ends x_ends where ENDS. WAIT: first finish `cluster.start`'s barrier
-    (started with WAIT False)."""
+    (started with WAIT False). CLUSTER 1: the whole row in one program, nothing to trade."""
     slice_max = tl.max(x, axis=0)
     if ENDS:
         slice_max = tl.maximum(slice_max, tl.max(x_ends, axis=0))
@@ -207,9 +200,12 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
         part += tl.sum(e_ends, axis=0)
     if WAIT:  # a data dependence on the slice's sum keeps the wait behind its loads
         token = cluster.wait(token + (part != part).to(tl.int32))
-    maxes, sums, token = cluster.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
-    row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
-    log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    if CLUSTER > 1:
+        maxes, sums, token = cluster.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
+        row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
+        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+    else:
+        row_max, log2_total = slice_max, tl.log2(part)
     if LOG:
         return (x - row_max) - log2_total * LN2, (x_ends - row_max) - log2_total * LN2, token
     # a slice of -inf in a row that is not has exps 0 and scale 0 (not 0 x inf where the
@@ -291,30 +287,34 @@ def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LO
 
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-                          SHIFT: tl.constexpr = 0):
+                          LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
     if ALIGN > 1:  # as in the forward
         N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
         dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SHIFT:  # as in the forward
-        row = rows.to(tl.int64)[:, None]
-        y, y_ends = _load_slice(y_ptr, row, M, N, y_row_stride, 0, BLOCK_N, SHIFT, 1, other=0.0)
-        dy, dy_ends = _load_slice(dy_ptr, row, M, N, dy_row_stride, 0, BLOCK_N, SHIFT, 1, other=0.0)
-        total = (_partial(y, dy, LOG, AXIS=1) + _partial(y_ends, dy_ends, LOG, AXIS=1))[:, None]
-        _store_slice(dx_ptr, _dx(y, dy, total, LOG), _dx(y_ends, dy_ends, total, LOG), row, M, N,
-                     y_row_stride, dx_row_stride, 0, BLOCK_N, SHIFT, 1)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
     else:
-        cols = tl.arange(0, BLOCK_N)
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        rows = rows.to(tl.int64)
-        y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, axis=1)[:, None]
-        else:
-            dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_row_shift_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
+                               LOG: tl.constexpr, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    # as in the forward
+    row = tl.program_id(0).to(tl.int64)
+    y, y_ends = _load_slice(y_ptr, row, M, N, y_row_stride, 0, BLOCK, SHIFT, 1, other=0.0)
+    dy, dy_ends = _load_slice(dy_ptr, row, M, N, dy_row_stride, 0, BLOCK, SHIFT, 1, other=0.0)
+    total, _ = _backward_total(y, dy, y_ends, dy_ends, 0, 0, 0, LOG, 1, 1, SHIFT > 0)
+    _store_slice(dx_ptr, _dx(y, dy, total, LOG), _dx(y_ends, dy_ends, total, LOG), row, M, N,
+                 y_row_stride, dx_row_stride, 0, BLOCK, SHIFT, 1)
 
 
 @triton.jit
@@ -425,6 +425,8 @@ def _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG: tl.con
     part = _partial(y_raw, dy_raw, LOG)
     if ENDS:
         part += _partial(y_ends, dy_ends, LOG)
+    if CLUSTER == 1:  # the whole row in one program
+        return part, token
     _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), part, token, CLUSTER, CLUSTER_POW2)
     return tl.sum(parts, axis=0), token
 
@@ -439,11 +441,11 @@ def _dx(y_raw, dy_raw, total, LOG: tl.constexpr):
 
 
 @triton.jit
-def _partial(y_raw, dy_raw, LOG: tl.constexpr, AXIS: tl.constexpr = 0):
-    """The row sum dx needs, along AXIS: sum(dy) (log_softmax) or sum(y * dy) (softmax)."""
+def _partial(y_raw, dy_raw, LOG: tl.constexpr):
+    """The row sum dx needs: sum(dy) (log_softmax) or sum(y * dy) (softmax)."""
     if LOG:
-        return tl.sum(dy_raw.to(tl.float32), axis=AXIS)
-    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=AXIS)
+        return tl.sum(dy_raw.to(tl.float32), axis=0)
+    return tl.sum(y_raw.to(tl.float32) * dy_raw.to(tl.float32), axis=0)
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -455,13 +457,20 @@ FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 163
 # log_softmax 1.003 / 1.002 against one a program's 0.962 / 0.962, softmax 1.001 / 1.003
 # against 1.002 / 1.006).
 BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 4), (32768, 32768, 16)]
-# Rows of a length no vector width divides, past ROWS_SHIFT_PAST: each row from its first
-# 16-byte boundary, its ends an element at a time (SHIFT; session 23, kernel alone, bf16,
-# forward / backward, 2-byte loads -> SHIFT: 7001 0.59 / 0.75 -> 0.62 / 0.83, 8191 0.65 / 0.75
-# -> 0.69 / 0.89, 12289 0.42 / 0.59 -> 0.79 / 0.88, 16383 0.46 / 0.62 -> 0.89 / 0.96). Shorter
-# rows lost with it (1001 0.81 / 0.86 -> 0.63 / 0.69, 3001 0.52 / 0.77 -> 0.39 / 0.50; softmax's
-# backward at 6143 0.80 -> 0.77) and keep the narrower loads.
-ROWS_SHIFT_PAST = 6144
+# Rows plan, rows whose starts no vector width divides (cluster.vector_shift: an odd length,
+# or a stride), past ROWS_SHIFT_PAST: one row a program from the row's first 16-byte
+# boundary, its whole 16-byte pieces one slice of BLOCK = next_power_of_2(N // SHIFT * SHIFT),
+# its ends a 1-D tensor (_forward_row_shift_kernel), at the warps of the tables (BLOCK up to,
+# warps): about 64 elements a thread forward, 32-128 backward. Session 24, kernel alone,
+# bf16, softmax forward / backward, the rows plan's 2-byte loads -> this plan:
+# 385 0.62 / 0.82 -> 0.59 / 0.88, 513 0.61 / 0.81 -> 0.77 / 0.99, 769 0.74 / 0.85 -> 0.95 /
+# 0.99, 1001 0.82 / 0.86 -> 0.94 / 0.99, 4097 0.41 / 0.62 -> 0.94 / 0.99, 7001 0.62 / 0.83 ->
+# 0.94 / 0.95, 12289 0.42 / 0.59 -> 0.80 / 0.90, 16383 0.46 / 0.62 -> 0.88 / 0.91; 257 lost
+# (0.46 / 0.65 -> 0.40 / 0.59). log_softmax alike (backward 0.93-1.00). Slices of 2048 at
+# 1 warp and backward past 16384 (GPUs without clusters only) not measured.
+ROWS_SHIFT_PAST = 512
+FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
+BACKWARD_ROW_SHIFT = [(1024, 1), (16384, 4), (32768, 16)]
 # Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
 # the persistent grid (one round: the writes trail the reads by as many tickets as there
 # are programs, so a row's readers have finished when its writers come, and the lagged
@@ -591,22 +600,42 @@ def backward_config(N, log, item_size=2, clusters=False):
     return cfg
 
 
-def _rows_shift(N, *rows):
-    """The rows plan's SHIFT (cluster.vector_shift) for rows past ROWS_SHIFT_PAST; else 0."""
-    return cluster.vector_shift(N, *rows) if N > ROWS_SHIFT_PAST else 0
+def _row_shift_block(N, shift):
+    """The row-shift plan's slice: the row's whole 16-byte pieces, or where SHIFT is 0 the row."""
+    return next_power_of_2(N // shift * shift if shift else N)
+
+
+def _row_shift_config(N, table, *rows):
+    """The row-shift plan for rows of N elements of `rows` (the tensors a kernel reads and
+    writes) where the rows plan would move them through narrower than 16-byte loads and
+    stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else None."""
+    shift = cluster.vector_shift(N, *rows)
+    if N > ROWS_SHIFT_PAST and shift:
+        block = _row_shift_block(N, shift)
+        return {"plan": "row_shift", "num_warps": next(warps for limit, warps in table if block <= limit)}
+    return None
+
+
+def _launch_row_shift(kernel, M, N, cfg, *tensors, LOG):
+    """One row a program of `kernel` (a row-shift kernel) over the rows of `tensors`."""
+    shift = cluster.vector_shift(N, *tensors)
+    launch(kernel, (M,), *tensors, M, N, *(t.stride(0) for t in tensors), LOG=LOG,
+           BLOCK=_row_shift_block(N, shift), SHIFT=shift, num_warps=cfg["num_warps"])
 
 
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
     cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
+    if config is None and cfg["plan"] == "rows":
+        cfg = _row_shift_config(N, FORWARD_ROW_SHIFT, x, y) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
-        shift = _rows_shift(N, x, y)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
-               ALIGN=1 if shift else row_alignment(N, x.stride(0), y.stride(0)), SHIFT=shift,
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "row_shift":
+        _launch_row_shift(_forward_row_shift_kernel, M, N, cfg, x, y, LOG=log)
     elif cfg["plan"] == "packed":
         launch(_forward_packed_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log,
                BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
@@ -632,13 +661,15 @@ def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
     cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
+    if config is None and cfg["plan"] == "rows":
+        cfg = _row_shift_config(N, BACKWARD_ROW_SHIFT, y, dy, dx) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
-        shift = _rows_shift(N, y, dy, dx)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-               ALIGN=1 if shift else row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), SHIFT=shift,
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+    elif cfg["plan"] == "row_shift":
+        _launch_row_shift(_backward_row_shift_kernel, M, N, cfg, y, dy, dx, LOG=log)
     elif cfg["plan"] == "cluster":
         ctas, shift = cluster.window(N, cfg["BLOCK"], y, dy, dx)
         cluster.launch(_backward_cluster_kernel, M, ctas, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0),

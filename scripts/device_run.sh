@@ -26,9 +26,10 @@
                                                  # softmax's one-row forward over k rows a cluster (22, session 19: lost)
                                                  # softmax's forward past 131072: slices of 32768 or 16384 against
                                                  # the fill and the clusters that fit (23, session 22; run in 23)
-                                                 # odd rows of the rows plan one a program with 1-D ends
-                                                 # (24, session 23, prepared); cross-entropy's odd
-                                                 # vocabularies from 16-byte boundaries (25, session 23, prepared)
+                                                 # the row-shift plan (odd rows one a program, 1-D ends)
+                                                 # against the rows plan per warps (24, sessions 23-24);
+                                                 # cross-entropy's odd vocabularies from 16-byte
+                                                 # boundaries, off / on (25, run in session 24)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -72,7 +73,7 @@ case $mode in
                "tune_norm.py --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "tune_norm.py --layer --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "exp_softmax_cluster.py --form rounds --sizes 131072,262144"
-               "exp_softmax_fill.py" "exp_softmax_rows_shift.py"
+               "exp_softmax_fill.py" "exp_softmax_rows_shift.py --sizes 129,257,385,513,769,1001,4097,12289,16383"
                "tune_cross_entropy.py --odd-vocab-shift --sizes 32001,50257,128257,151937,256001")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do

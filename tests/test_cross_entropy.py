@@ -106,7 +106,7 @@ def test_class_targets(dtype, V, options, device):
                                      {"reduction": "none", "label_smoothing": 0.1}, {"z_loss": 1e-3, "softcap": 15.0}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, monkeypatch, device):
-    """ODD_VOCAB_SHIFT (off in the library until measured on the H200): class-index rows of a
+    """ODD_VOCAB_SHIFT (on since session 24; set here whatever the default): class-index rows of a
     length no vector width divides go from their first 16-byte boundary, the classes outside
     their whole 16-byte pieces one at a time. The logits are a view x_pad classes wider a row
     than the gradient: the forward reads the logits alone (SHIFT taken); the backward's

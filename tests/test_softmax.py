@@ -65,13 +65,14 @@ def test_rows_of_every_length(op, dtype, N, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N, x_pad", [(9, 16), (1001, 16), (4097, 16), (1001, 1)])
 def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
-    """The rows plan at lengths no vector width divides: each row from its first 16-byte
-    boundary (SHIFT, as across a cluster), its whole 16-byte pieces as vectors and its ends
-    element by element; x a view x_pad elements wider a row than y, dy 16 wider. With x_pad 16
-    the forward's strides agree modulo 16 bytes (SHIFT taken), with 1 they do not (SHIFT 0:
-    element by element); the backward's (y, dy, dx) always agree. The extremes sit in the
-    ends: the max in a row's first element, in another's last, -inf heading a third. The
-    library takes SHIFT past ROWS_SHIFT_PAST only; here from 9 elements, to test it small."""
+    """Rows of the rows plan's lengths that no vector width divides: one row a program from
+    its first 16-byte boundary (the row-shift plan: SHIFT, as across a cluster), its whole
+    16-byte pieces as vectors and its ends element by element; x a view x_pad elements wider
+    a row than y, dy 16 wider. With x_pad 16 the forward's strides agree modulo 16 bytes
+    (SHIFT taken), with 1 they do not (the rows plan, element by element); the backward's
+    (y, dy, dx) always agree. The extremes sit in the ends: the max in a row's first element,
+    in another's last, -inf heading a third. The library takes SHIFT past ROWS_SHIFT_PAST
+    only; here from 9 elements, to test it small."""
     monkeypatch.setattr(softmax_module, "ROWS_SHIFT_PAST", 0)
     wide = torch.randn(23, N + x_pad, device=device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
@@ -81,14 +82,15 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
     shifts = []
 
     def recording_launch(kernel, grid, *args, **kwargs):
-        shifts.append((kernel.__name__, kwargs["SHIFT"]))
+        shifts.append((kernel.__name__, kwargs.get("SHIFT", 0)))
         real_launch(kernel, grid, *args, **kwargs)
 
     real_launch = softmax_module.launch
     monkeypatch.setattr(softmax_module, "launch", recording_launch)
     check_op(op, x, dy=dy)
     vec = 16 // x.element_size()
-    assert shifts == [("_forward_rows_kernel", vec if x_pad == 16 else 0), ("_backward_rows_kernel", vec)]
+    forward = ("_forward_row_shift_kernel", vec) if x_pad == 16 else ("_forward_rows_kernel", 0)
+    assert shifts == [forward, ("_backward_row_shift_kernel", vec)]
 
 
 @pytest.mark.parametrize("lag_rounds", [1, 4, 10**6])
@@ -291,15 +293,19 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
     assert shifts == [16 // x.element_size()] * (2 if backward_plan == "cluster" else 1)
 
 
-def test_rows_shift_where_it_won():
-    """The rows plan moves rows from their 16-byte boundaries only past ROWS_SHIFT_PAST
-    elements, and only where no ALIGN gives 16-byte vectors already."""
-    def shift(N, dtype=torch.bfloat16, pad=16):
-        return softmax_module._rows_shift(N, torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype))
+def test_row_shift_plan_where_it_won():
+    """The rows plan's rows go one a program from their 16-byte boundaries only past
+    ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already."""
+    def plan(N, dtype=torch.bfloat16, pad=16):
+        rows = torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype)
+        return softmax_module._row_shift_config(N, softmax_module.FORWARD_ROW_SHIFT, *rows)
     past = softmax_module.ROWS_SHIFT_PAST
-    assert shift(past - 1) == 0 and shift(past + 1) == 8 and shift(past + 1, torch.float32) == 4
-    assert shift(past + 8) == 0                  # 8-divisible: ALIGN's 16-byte vectors
-    assert shift(past + 1, pad=1) == 0           # strides that disagree modulo 16 bytes
+    assert plan(past - 1) is None and plan(past + 1) == {"plan": "row_shift", "num_warps": 1}
+    assert plan(past + 1, torch.float32) is not None
+    assert plan(4097)["num_warps"] == 2          # warps by the slice: 4096 elements
+    assert plan(16383) == {"plan": "row_shift", "num_warps": 8}
+    assert plan(past + 8) is None                # 8-divisible: ALIGN's 16-byte vectors
+    assert plan(past + 1, pad=1) is None         # strides that disagree modulo 16 bytes
 
 
 def test_cluster_window():
