@@ -255,6 +255,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = 0  # classes before the chunks' start
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
         mask = cols < (V - first) // SHIFT * SHIFT
@@ -271,13 +272,13 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     else:
         w_t = 1.0
+    x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
+    dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
+    x = tl.load(x_chunks + cols, mask=mask, other=0.0).to(tl.float32)
+    d = _class_gradient(x, first + cols, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V,
+                        smoothing, z_scale, softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH, SOFTCAP)
+    tl.store(dx_chunks + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
-        x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
-        dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
-        x = tl.load(x_chunks + cols, mask=mask, other=0.0).to(tl.float32)
-        d = _class_gradient(x, first + cols, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V,
-                            smoothing, z_scale, softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH, SOFTCAP)
-        tl.store(dx_chunks + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
         if tl.program_id(1) == 0:
             at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
             x_ends = tl.load(x_chunks + at, mask=ends, other=0.0).to(tl.float32)
@@ -285,11 +286,6 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
                                      V, smoothing, z_scale, softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH,
                                      SOFTCAP)
             tl.store(dx_chunks + at, d_ends.to(dx_ptr.dtype.element_ty), mask=ends)
-    else:
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        d = _class_gradient(x, cols, mask, t, w_t, row_max, log_sum, lse, g, ignored, in_range, V, smoothing, z_scale,
-                            softcap, weight_ptr, weight_total_ptr, HAS_WEIGHT, SMOOTH, SOFTCAP)
-        tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -377,9 +373,12 @@ def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
 
 
-def _vocab_shift(V, prob_target, *rows):
-    """SHIFT for the class-index kernels (ODD_VOCAB_SHIFT); 0 for probability targets."""
-    return cluster.vector_shift(V, *rows) if ODD_VOCAB_SHIFT and not prob_target else 0
+def _vectors(V, prob_target, rows, strides):
+    """(ALIGN, SHIFT) of a kernel's row accesses: SHIFT for the class-index kernels where the
+    rows of `rows` start short of 16-byte alignment (ODD_VOCAB_SHIFT: cluster.vector_shift),
+    else ALIGN from the row length and the `strides` of every tensor read by rows."""
+    shift = cluster.vector_shift(V, *rows) if ODD_VOCAB_SHIFT and not prob_target else 0
+    return (1 if shift else row_alignment(V, *strides)), shift
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -410,9 +409,9 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
-    shift = _vocab_shift(V, prob_target, x)
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK),
-                  ALIGN=1 if shift else row_alignment(V, *strides), num_warps=FORWARD_WARPS)
+    align, shift = _vectors(V, prob_target, (x,), strides)
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), ALIGN=align,
+                  num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
@@ -454,9 +453,9 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
-    shift = _vocab_shift(V, prob_target, x, dx)
+    align, shift = _vectors(V, prob_target, (x, dx), strides)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  ALIGN=1 if shift else row_alignment(V, *strides), num_warps=BACKWARD_WARPS)
+                  ALIGN=align, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
