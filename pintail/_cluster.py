@@ -59,33 +59,48 @@ def words_bytes(cluster: int) -> int:
     return BUFFERS.value * 8 * (1 + cluster)
 
 
+# Where SHIFT starts a row's slices: the first boundary of BOUNDARY_BYTES (16 to 128) in the
+# row. From a 16-byte boundary each warp's 512-byte access straddles 5 L2 lines and 17
+# sectors, the sectors at its ends fetched by two warps (session 24, Nsight Compute,
+# cross-entropy's backward: 0.73 of DRAM bandwidth at V = 128257 against 0.78 at 131072,
+# more L2 tag requests for fewer bytes, L1 hits 10 % against 4 %). 128 (whole lines) is
+# written and tested in the interpreter, not yet measured or run on the GPU:
+# `scripts/exp_boundary.py` (experiments step 26) compares the two.
+BOUNDARY_BYTES = 16
+
+
 def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
     """(CTAs a row, SHIFT) for rows of N elements of `rows` (tensors of one dtype, rows along
     dim 0) cut into slices of `block`. Triton knows a row is 16-byte aligned only where the
     row length and strides are multiples of 16 (else every load is 2 bytes wide: 0.04-0.69
-    of copy). SHIFT (elements in 16 bytes) starts each row's slices at the first 16-byte
-    boundary in the row: the row's whole 16-byte pieces then go as vector loads and stores,
-    and the at most SHIFT - 1 elements at either end one at a time (`row_ends`). The whole
-    pieces span at most N // SHIFT * SHIFT elements, and the CTAs cover just those: a row of
-    32769 takes 4 slices of 8192, not 5 (its last element goes with the last slice). Taken
-    where the tensors start 16-byte aligned and their row strides agree modulo SHIFT (every
-    row of each then starts the same distance before a boundary); SHIFT 0: the slices start
-    at the row's start."""
-    vec = 16 // rows[0].element_size()
+    of copy). SHIFT (elements in a boundary of 16 to BOUNDARY_BYTES bytes) starts each row's
+    slices at the first boundary in the row: the row's whole pieces between boundaries then
+    go as 16-byte vector loads and stores, and the at most SHIFT - 1 elements at either end
+    one at a time (`row_ends`). The whole pieces span at most N // SHIFT * SHIFT elements,
+    and the CTAs cover just those: a row of 32769 takes 4 slices of 8192, not 5 (its last
+    element goes with the last slice). SHIFT is the largest boundary (at most N elements)
+    that every tensor starts on and that their row strides agree modulo (every row of each
+    then starts the same distance before a boundary); SHIFT 0: the slices start at the row's
+    start, where not even 16 bytes qualify."""
+    size = rows[0].element_size()
+    vec = 16 // size
     strides = [t.stride(0) for t in rows]
     plain = cdiv(N, block), 0
     if N < vec or any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
         return plain  # no 16-byte boundary that every row of every tensor starts the same distance from
     if N % 16 == 0 and all(s % 16 == 0 for s in strides):
         return plain  # Triton specialises these as 16-divisible: vector loads already
-    return cdiv(N // vec * vec, block), vec
+    shift = BOUNDARY_BYTES // size
+    while shift > N or any(t.data_ptr() % (shift * size) for t in rows) or len({s % shift for s in strides}) > 1:
+        shift //= 2  # stops at vec at the latest: it qualifies (above)
+    return cdiv(N // shift * shift, block), shift
 
 
 def vector_shift(N: int, *rows: torch.Tensor) -> int:
     """SHIFT (`window`) for a row kernel that otherwise takes ALIGN (_launch.row_alignment):
     where the row length or a row stride leaves the rows' starts short of 16-byte alignment,
-    the rows from their first 16-byte boundary as `window` allows; else 0 (ALIGN's vectors,
-    or Triton's own 16-divisibility, are 16 bytes already)."""
+    the rows from their first boundary as `window` allows; else 0 (ALIGN's vectors, or
+    Triton's own 16-divisibility, are 16 bytes already)."""
     vec = 16 // rows[0].element_size()
     if N < vec or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
         return 0  # no whole 16-byte piece (an empty row too), or vectors already
@@ -177,7 +192,7 @@ def receive(WORDS, i, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
 @triton.jit
 def slice_start(row, row_stride, SHIFT: tl.constexpr):
     """Where the slices of `row` start, in elements from the tensor's start (`window`): the
-    row's start, or where SHIFT the first 16-byte boundary at or after it."""
+    row's start, or where SHIFT the first boundary (of SHIFT elements: `window`) at or after it."""
     start = row.to(tl.int64) * row_stride
     if SHIFT:
         start = (start + SHIFT - 1) // SHIFT * SHIFT  # the compiler reads the product: aligned
@@ -193,7 +208,7 @@ def row_head(row, row_stride, SHIFT: tl.constexpr):
 @triton.jit
 def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
     """The row's elements in CTA `rank`'s slice (from `slice_start`); where SHIFT, those of
-    the row's whole 16-byte pieces only, so the mask changes only at multiples of SHIFT and
+    the row's whole pieces between boundaries only, so the mask changes only at multiples of SHIFT and
     the loads and stores are vectors (the row's other elements: `row_ends`)."""
     at = rank * BLOCK + tl.arange(0, BLOCK)
     end = N
@@ -204,7 +219,7 @@ def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexp
 
 @triton.jit
 def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr, CLUSTER: tl.constexpr):
-    """(positions from `slice_start`, mask) of the row's elements outside its whole 16-byte
+    """(positions from `slice_start`, mask) of the row's elements outside its whole
     pieces that CTA `rank` takes: the up to SHIFT - 1 before the slices' start (rank 0) and
     the up to SHIFT - 1 after the last whole piece (the CTA whose slice holds them, or the
     last CTA where they lie past every slice: `window`), as one small tensor of 2 x SHIFT

@@ -584,8 +584,8 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
     if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
-        block, vec = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts: whole 16-byte pieces
-        if N / (cdiv(N // vec * vec, block) * block) < FORWARD_FILL_BELOW:
+        block, unit = cfg["BLOCK"], cluster.BOUNDARY_BYTES // item_size  # the slices `cluster.window` cuts
+        if N / (cdiv(N // unit * unit, block) * block) < FORWARD_FILL_BELOW:
             return FORWARD_LOW_FILL
     return cfg
 

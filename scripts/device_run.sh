@@ -29,11 +29,13 @@
                                                  # the row-shift plan (odd rows one a program, 1-D ends)
                                                  # against the rows plan per warps (24, sessions 23-24);
                                                  # cross-entropy's odd vocabularies from 16-byte
-                                                 # boundaries, off / on (25, run in session 24)
+                                                 # boundaries, off / on (25, run in session 24);
+                                                 # SHIFT from 16- or 128-byte boundaries (26, session 24, prepared)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
-#   bash scripts/device_run.sh profile            # ncu on one launch of each long-row plan (~1.5 min)
+#   bash scripts/device_run.sh profile ["case N" ...] # ncu on one launch of each long-row plan (~1.5 min),
+#                                                  # or of the cases given (scripts/profile_kernel.py)
 #   bash scripts/device_run.sh profile-source     # ncu's warp-stall samples per SASS instruction: RMSNorm blocks
 #                                                  # backward, rotary, softmax split forward (scripts/top_stalls.py)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
@@ -74,7 +76,8 @@ case $mode in
                "tune_norm.py --layer --directions bwd --sizes 65536,131072,262144 --out /tmp"
                "exp_softmax_cluster.py --form rounds --sizes 131072,262144"
                "exp_softmax_fill.py" "exp_softmax_rows_shift.py --sizes 129,257,385,513,769,1001,4097,12289,16383"
-               "tune_cross_entropy.py --odd-vocab-shift --sizes 32001,50257,128257,151937,256001")
+               "tune_cross_entropy.py --odd-vocab-shift --sizes 32001,50257,128257,151937,256001"
+               "exp_boundary.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
@@ -97,9 +100,11 @@ case $mode in
         if "$ncu" --list-sections 2>/dev/null | grep -q MemoryWorkloadAnalysis_Tables; then
             sections="$sections --section MemoryWorkloadAnalysis_Tables"
         fi
-        for case in "softmax_fwd 32768" "softmax_fwd_split 32768" "softmax_fwd 131072" "softmax_bwd 131072" \
-                    "rms_fwd 32768" "rms_fwd 131072" "layer_fwd 131072" "rms_bwd 32768" "layer_bwd 32768" \
-                    "cross_entropy_fwd 32768"; do
+        cases=("$@")  # "case N" pairs, or the list below
+        [ ${#cases[@]} -eq 0 ] && cases=("softmax_fwd 32768" "softmax_fwd_split 32768" "softmax_fwd 131072"
+            "softmax_bwd 131072" "rms_fwd 32768" "rms_fwd 131072" "layer_fwd 131072" "rms_bwd 32768"
+            "layer_bwd 32768" "cross_entropy_fwd 32768")
+        for case in "${cases[@]}"; do
             set -- $case
             # one report file in all: only ~8-10 files come back from a call
             timeout 100 "$ncu" --clock-control none --profile-from-start off --print-details all $sections \

@@ -26,6 +26,7 @@ import pintail
 norm = importlib.import_module("pintail.norm")
 softmax_module = importlib.import_module("pintail.softmax")
 rotary_module = importlib.import_module("pintail.rotary")
+ce_module = importlib.import_module("pintail.cross_entropy")
 
 
 def cases(N, device, elements):
@@ -64,6 +65,14 @@ def cases(N, device, elements):
         x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
         return lambda: pintail.cross_entropy(x, t, check_target=False, reduction="none")
 
+    def cross_entropy_bwd():  # the class-index backward alone, from the forward's statistics
+        rows = min(M, 4096)
+        x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
+        _, stats, mass, _, denominator = ce_module._launch_forward(x, t, None, -100, 0.0, 0.0, 0.0, False, "mean")
+        grad = torch.ones((), **bf16)
+        return lambda: ce_module._backward(grad, x, t, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                                           denominator)
+
     def rotary_fwd():
         # the bench's q (8, 32, S, 128) and k (8, 8, S, 128), S = N; half-split pairs
         S = N if device == "cuda" else 8
@@ -77,7 +86,7 @@ def cases(N, device, elements):
     return {"softmax_fwd": softmax_fwd(), "softmax_fwd_split": softmax_fwd(softmax_module.FORWARD_SPLIT),
             "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
             "layer_fwd": norm_fwd(False), "rms_bwd": norm_bwd(True), "layer_bwd": norm_bwd(False),
-            "cross_entropy_fwd": cross_entropy_fwd, "rotary_fwd": rotary_fwd}
+            "cross_entropy_fwd": cross_entropy_fwd, "cross_entropy_bwd": cross_entropy_bwd, "rotary_fwd": rotary_fwd}
 
 
 def profile(name, N):

@@ -27,3 +27,11 @@ def assert_matches(ours, truth, torch_same_dtype, unit=1e-2, factor=2):
     scale = max(truth64[finite].abs().max().item(), unit)
     allowed = max(factor * torch_err, TOLERANCE[ours.dtype] * scale)
     assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g} (torch errs {torch_err:.3g})"
+
+
+def boundary_shifts(dtype, boundary):
+    """The SHIFTs `cluster.window` may give rows of `dtype` under BOUNDARY_BYTES `boundary`:
+    the elements of 16 bytes up to those of `boundary` bytes, by powers of 2 (which one
+    depends on the tensors' alignment and strides)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return {16 // size * 2**k for k in range(8) if 16 * 2**k <= boundary}

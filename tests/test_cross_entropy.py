@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import pintail
-from helpers import DTYPES, assert_matches
+from pintail import _cluster as cluster
+from helpers import DTYPES, assert_matches, boundary_shifts
 
 ce_module = importlib.import_module("pintail.cross_entropy")
 MULTI_CHUNK = ce_module.FORWARD_BLOCK + 1000  # more than one chunk per row in both kernels
@@ -105,14 +106,16 @@ def test_class_targets(dtype, V, options, device):
 @pytest.mark.parametrize("options", [{}, {"weight": "w", "label_smoothing": 0.25}, {"ignore_index": 3, "weight": "w"},
                                      {"reduction": "none", "label_smoothing": 0.1}, {"z_loss": 1e-3, "softcap": 15.0}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
-def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, monkeypatch, device):
+@pytest.mark.parametrize("boundary", [16, 128])
+def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary, monkeypatch, device):
     """ODD_VOCAB_SHIFT (on since session 24; set here whatever the default): class-index rows of a
     length no vector width divides go from their first 16-byte boundary, the classes outside
     their whole 16-byte pieces one at a time. The logits are a view x_pad classes wider a row
     than the gradient: the forward reads the logits alone (SHIFT taken); the backward's
     strides agree modulo 16 bytes with x_pad 16 (SHIFT taken), not with 1 (SHIFT 0). Targets
-    and the largest logits sit in the ends."""
+    and the largest logits sit in the ends. Boundaries of 16 and 128 bytes (cluster.BOUNDARY_BYTES)."""
     monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
+    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
     M = 6
     wide = torch.randn(M, V + x_pad, device=device) * 3
     wide[4, 0] = wide[5, V - 1] = 30.0
@@ -132,8 +135,8 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, monkeypa
     real_launch = ce_module.launch
     monkeypatch.setattr(ce_module, "launch", recording_launch)
     check(x, target, **kw)
-    vec = 16 // x.element_size()
-    assert shifts == [vec, vec if x_pad == 16 else 0]
+    taken = boundary_shifts(dtype, boundary)
+    assert shifts[0] in taken and (shifts[1] in taken if x_pad == 16 else shifts[1] == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

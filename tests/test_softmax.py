@@ -7,7 +7,7 @@ import triton.language as tl
 
 import pintail
 from pintail import _cluster as cluster
-from helpers import DTYPES, assert_matches
+from helpers import DTYPES, assert_matches, boundary_shifts
 
 softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
 OPS = {"softmax": (pintail.softmax, torch.softmax), "log_softmax": (pintail.log_softmax, torch.log_softmax)}
@@ -63,8 +63,9 @@ def test_rows_of_every_length(op, dtype, N, device):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N, x_pad", [(9, 16), (1001, 16), (4097, 16), (1001, 1)])
-def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
+@pytest.mark.parametrize("N, x_pad", [(9, 16), (1001, 16), (4097, 16), (1001, 1), (1001, 64)])
+@pytest.mark.parametrize("boundary", [16, 128])
+def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch, device):
     """Rows of the rows plan's lengths that no vector width divides: one row a program from
     its first 16-byte boundary (the row-shift plan: SHIFT, as across a cluster), its whole
     16-byte pieces as vectors and its ends element by element; x a view x_pad elements wider
@@ -72,8 +73,11 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
     (SHIFT taken), with 1 they do not (the rows plan, element by element); the backward's
     (y, dy, dx) always agree. The extremes sit in the ends: the max in a row's first element,
     in another's last, -inf heading a third. The library takes SHIFT past ROWS_SHIFT_PAST
-    only; here from 9 elements, to test it small."""
+    only; here from 9 elements, to test it small. Boundaries of 16 and 128 bytes
+    (cluster.BOUNDARY_BYTES: with 128 the rows start at the largest boundary that every
+    tensor's alignment and strides allow)."""
     monkeypatch.setattr(softmax_module, "ROWS_SHIFT_PAST", 0)
+    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
     wide = torch.randn(23, N + x_pad, device=device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
     wide[3, :3] = -float("inf")
@@ -88,9 +92,11 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, monkeypatch, device):
     real_launch = softmax_module.launch
     monkeypatch.setattr(softmax_module, "launch", recording_launch)
     check_op(op, x, dy=dy)
-    vec = 16 // x.element_size()
-    forward = ("_forward_row_shift_kernel", vec) if x_pad == 16 else ("_forward_rows_kernel", 0)
-    assert shifts == [forward, ("_backward_row_shift_kernel", vec)]
+    names = [name for name, _ in shifts]
+    assert names == ["_forward_row_shift_kernel" if x_pad % 16 == 0 else "_forward_rows_kernel",
+                     "_backward_row_shift_kernel"]
+    taken = boundary_shifts(dtype, boundary)
+    assert shifts[0][1] in (taken if x_pad % 16 == 0 else {0}) and shifts[1][1] in taken
 
 
 @pytest.mark.parametrize("lag_rounds", [1, 4, 10**6])
@@ -325,6 +331,26 @@ def test_cluster_window():
     assert window(32771, 8192, torch.empty(2, 32771)) == (4, 4)        # 4 slices, the last takes 3 past them
 
 
+def test_cluster_window_at_128_byte_boundaries(monkeypatch):
+    """With BOUNDARY_BYTES 128 the slices start at the largest boundary, from 16 to 128 bytes,
+    that every tensor starts on, that their row strides agree modulo, and that is no longer
+    than the row."""
+    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", 128)
+    window = cluster.window
+
+    def rows(n, width, offset=0, dtype=torch.bfloat16):  # a view `offset` elements into rows of `width`
+        wide = torch.empty(4, width + 64, dtype=dtype)
+        wide = wide[:, (-wide.data_ptr() % 128) // wide.element_size():]  # 128-byte aligned, whatever the allocator
+        return wide[:, offset:offset + n]
+    assert window(262139, 16384, rows(262139, 262139)) == (16, 64)       # 262080 elements in whole lines
+    assert window(131065, 8192, rows(131065, 131065, dtype=torch.float32)) == (16, 32)
+    assert window(65539, 8192, rows(65539, 65555), rows(65539, 65539)) == (8, 16)  # strides agree modulo 16 only
+    assert window(65539, 8192, rows(65539, 65539, offset=8)) == (8, 8)   # a start 16 bytes past a line
+    assert window(65539, 8192, rows(65539, 65539, offset=1)) == (9, 0)   # 2 bytes past: nothing qualifies
+    assert window(40, 16, rows(40, 40)) == (2, 32)                       # no boundary longer than the row
+    assert window(65536, 8192, rows(65536, 65536)) == (8, 0)             # 16-divisible: Triton's vectors
+
+
 @triton.jit
 def _count_cover_kernel(slice_counts_ptr, end_counts_ptr, N, row_stride, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
                         CLUSTER: tl.constexpr):
@@ -341,18 +367,22 @@ def _count_cover_kernel(slice_counts_ptr, end_counts_ptr, N, row_stride, BLOCK: 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("N, extra", [(64, 0), (67, 0), (67, 16), (93, 5), (129, 16), (135, 16), (7, 16)])
-def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, device):
+@pytest.mark.parametrize("boundary", [16, 128])
+def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, boundary, monkeypatch, device):
     """The pieces the cluster kernels load (cluster.window, slice_start, slice_mask, row_ends),
     run as a kernel on their own (in the interpreter on CPU): across the CTAs of a row, every
     element of the row exactly once and nothing past it, the slices' part in whole 16-byte
     pieces only (what makes their loads vectors), at row starts that fall at every distance
-    from a boundary (row strides N + extra)."""
+    from a boundary (row strides N + extra); boundaries of 16 and 128 bytes."""
+    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
     M, block = 9, 16
     rows = torch.empty(M, N + extra, dtype=dtype, device=device)[:, :N]
     ctas, shift = cluster.window(N, block, rows)
-    assert shift == (0 if N % 16 == 0 and extra % 16 == 0 or N < 16 // rows.element_size()
-                     else 16 // rows.element_size())
-    slice_counts = torch.zeros(M * rows.stride(0) // 16 * 16 + 64, dtype=torch.int32, device=device)
+    if N % 16 == 0 and extra % 16 == 0 or N < 16 // rows.element_size():
+        assert shift == 0
+    else:
+        assert shift in boundary_shifts(dtype, boundary) and shift <= N
+    slice_counts = torch.zeros(M * rows.stride(0) // 128 * 128 + 256, dtype=torch.int32, device=device)
     end_counts = torch.zeros_like(slice_counts)
     _count_cover_kernel[(M, ctas)](slice_counts, end_counts, N, rows.stride(0), BLOCK=block, SHIFT=shift,
                                    CLUSTER=ctas)
@@ -362,7 +392,7 @@ def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, device):
     counts = slice_counts + end_counts
     assert bool((counts[in_row] == 1).all()) and bool((counts[~in_row] == 0).all())
     if shift:
-        pieces = slice_counts.view(-1, 16 // rows.element_size())  # the tensor starts 16-byte aligned
+        pieces = slice_counts.view(-1, shift)  # the tensor starts on a boundary (window)
         assert bool(((pieces == 0).all(1) | (pieces == 1).all(1)).all())
         assert int(end_counts.sum()) <= M * 2 * (shift - 1)
 
