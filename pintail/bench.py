@@ -30,7 +30,7 @@ def _matrix(M, N, dtype, device):
 
 # (2, 20000): softmax's two-pass forward, the norms' long forward; (2, 40000): every op's
 # plan for rows past 32768
-CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (2, 20000), (2, 40000)]
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 20000), (2, 40000)]  # 1001: rows from 16-byte boundaries
 
 
 @dataclass
