@@ -258,9 +258,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     first = 0  # classes before the chunks' start
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
-        mask = cols < (V - first) // SHIFT * SHIFT
-    else:
-        mask = cols < V
+    mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)

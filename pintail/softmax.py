@@ -600,27 +600,23 @@ def backward_config(N, log, item_size=2, clusters=False):
     return cfg
 
 
-def _row_shift_block(N, shift):
-    """The row-shift plan's slice: the row's whole 16-byte pieces, or where SHIFT is 0 the row."""
-    return next_power_of_2(N // shift * shift if shift else N)
-
-
 def _row_shift_config(N, table, *rows):
     """The row-shift plan for rows of N elements of `rows` (the tensors a kernel reads and
     writes) where the rows plan would move them through narrower than 16-byte loads and
-    stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else None."""
+    stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else None. Its slice (BLOCK) holds
+    the row's whole pieces between boundaries: at most N // SHIFT * SHIFT elements."""
     shift = cluster.vector_shift(N, *rows)
-    if N > ROWS_SHIFT_PAST and shift:
-        block = _row_shift_block(N, shift)
-        return {"plan": "row_shift", "num_warps": next(warps for limit, warps in table if block <= limit)}
-    return None
+    if N <= ROWS_SHIFT_PAST or not shift:
+        return None
+    block = next_power_of_2(N // shift * shift)
+    return {"plan": "row_shift", "BLOCK": block, "SHIFT": shift,
+            "num_warps": next(warps for limit, warps in table if block <= limit)}
 
 
 def _launch_row_shift(kernel, M, N, cfg, *tensors, LOG):
     """One row a program of `kernel` (a row-shift kernel) over the rows of `tensors`."""
-    shift = cluster.vector_shift(N, *tensors)
-    launch(kernel, (M,), *tensors, M, N, *(t.stride(0) for t in tensors), LOG=LOG,
-           BLOCK=_row_shift_block(N, shift), SHIFT=shift, num_warps=cfg["num_warps"])
+    launch(kernel, (M,), *tensors, M, N, *(t.stride(0) for t in tensors), LOG=LOG, BLOCK=cfg["BLOCK"],
+           SHIFT=cfg["SHIFT"], num_warps=cfg["num_warps"])
 
 
 def launch_forward(x, y, log, config=None):

@@ -25,6 +25,7 @@ def main():
     p.add_argument("--sizes", default="129,257,385,513,769,1001,4097")
     p.add_argument("--warps", default="1,2,4,8")
     args = p.parse_args()
+    sm.ROWS_SHIFT_PAST = 0  # the plan at every size given, to find where it wins
     copy_bw = measure.copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     for N in map(int, args.sizes.split(",")):
@@ -33,8 +34,10 @@ def main():
         y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
         for log in (False, True):
             configs = [("rows", sm.forward_config(N, log), sm.backward_config(N, log))]
-            configs += [(f"row_shift {w}w", {"plan": "row_shift", "num_warps": w}, {"plan": "row_shift", "num_warps": w})
-                        for w in map(int, args.warps.split(","))]
+            for w in map(int, args.warps.split(",")):  # the library's row-shift plan at w warps, at any N
+                one_size = [(2**30, w)]
+                configs.append((f"row_shift {w}w", sm._row_shift_config(N, one_size, x, y),
+                                sm._row_shift_config(N, one_size, y, dy, dx)))
             for name, forward_cfg, backward_cfg in configs:
                 measure.print_fraction(f"N={N} log={log} fwd {name}", lambda: sm.launch_forward(x, y, log, forward_cfg),
                                        2 * x.numel() * 2, copy_bw)

@@ -306,10 +306,11 @@ def test_row_shift_plan_where_it_won():
         rows = torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype)
         return softmax_module._row_shift_config(N, softmax_module.FORWARD_ROW_SHIFT, *rows)
     past = softmax_module.ROWS_SHIFT_PAST
-    assert plan(past - 1) is None and plan(past + 1) == {"plan": "row_shift", "num_warps": 1}
+    assert plan(past - 1) is None
+    assert plan(past + 1) == {"plan": "row_shift", "BLOCK": 512, "SHIFT": 8, "num_warps": 1}
     assert plan(past + 1, torch.float32) is not None
     assert plan(4097)["num_warps"] == 2          # warps by the slice: 4096 elements
-    assert plan(16383) == {"plan": "row_shift", "num_warps": 8}
+    assert plan(16383) == {"plan": "row_shift", "BLOCK": 16384, "SHIFT": 8, "num_warps": 8}
     assert plan(past + 8) is None                # 8-divisible: ALIGN's 16-byte vectors
     assert plan(past + 1, pad=1) is None         # strides that disagree modulo 16 bytes
 
