@@ -59,21 +59,11 @@ def words_bytes(cluster: int) -> int:
     return BUFFERS.value * 8 * (1 + cluster)
 
 
-# Where SHIFT starts a row's slices: the first boundary of BOUNDARY_BYTES (16 to 128) in the
-# row. From a 16-byte boundary each warp's 512-byte access straddles 5 L2 lines and 17
-# sectors, the sectors at its ends fetched by two warps (session 24, Nsight Compute,
-# cross-entropy's backward: 0.73 of DRAM bandwidth at V = 128257 against 0.78 at 131072,
-# more L2 tag requests for fewer bytes, L1 hits 10 % against 4 %). 128 (whole lines) is
-# written and tested in the interpreter, not yet measured or run on the GPU:
-# `scripts/exp_boundary.py` (experiments step 26) compares the two.
-BOUNDARY_BYTES = 16
-
-
-def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
+def window(N: int, block: int, *rows: torch.Tensor, boundary: int = 16) -> tuple:
     """(CTAs a row, SHIFT) for rows of N elements of `rows` (tensors of one dtype, rows along
     dim 0) cut into slices of `block`. Triton knows a row is 16-byte aligned only where the
     row length and strides are multiples of 16 (else every load is 2 bytes wide: 0.04-0.69
-    of copy). SHIFT (elements in a boundary of 16 to BOUNDARY_BYTES bytes) starts each row's
+    of copy). SHIFT (elements in a boundary of 16 to `boundary` bytes) starts each row's
     slices at the first boundary in the row: the row's whole pieces between boundaries then
     go as 16-byte vector loads and stores, and the at most SHIFT - 1 elements at either end
     one at a time (`row_ends`). The whole pieces span at most N // SHIFT * SHIFT elements,
@@ -81,7 +71,15 @@ def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
     element goes with the last slice). SHIFT is the largest boundary (at most N elements)
     that every tensor starts on and that their row strides agree modulo (every row of each
     then starts the same distance before a boundary); SHIFT 0: the slices start at the row's
-    start, where not even 16 bytes qualify."""
+    start, where not even 16 bytes qualify. `boundary` 128 starts the slices on whole L2
+    lines: from 16-byte boundaries each warp's 512-byte access straddles 5 lines and 17
+    sectors, two warps fetching the sectors at its ends (session 24, Nsight Compute). That
+    pays where a row program streams three tensors, not where up to 2 x 63 end elements
+    must reduce across warps first (session 25, H200, bf16, boundary 16 -> 128:
+    cross-entropy's backward 0.85 -> 0.88 at V = 128257, softmax's row-shift backward
+    0.91 -> 0.93 at 12289; its row-shift forward 0.80 -> 0.78 at 12289, its cluster
+    forward 0.90 -> 0.83 and backward 0.964 -> 0.957 at 131065). The cluster plans take 16.
+    """
     size = rows[0].element_size()
     vec = 16 // size
     strides = [t.stride(0) for t in rows]
@@ -90,13 +88,13 @@ def window(N: int, block: int, *rows: torch.Tensor) -> tuple:
         return plain  # no 16-byte boundary that every row of every tensor starts the same distance from
     if N % 16 == 0 and all(s % 16 == 0 for s in strides):
         return plain  # Triton specialises these as 16-divisible: vector loads already
-    shift = BOUNDARY_BYTES // size
+    shift = boundary // size
     while shift > N or any(t.data_ptr() % (shift * size) for t in rows) or len({s % shift for s in strides}) > 1:
         shift //= 2  # stops at vec at the latest: it qualifies (above)
     return cdiv(N // shift * shift, block), shift
 
 
-def vector_shift(N: int, *rows: torch.Tensor) -> int:
+def vector_shift(N: int, *rows: torch.Tensor, boundary: int = 16) -> int:
     """SHIFT (`window`) for a row kernel that otherwise takes ALIGN (_launch.row_alignment):
     where the row length or a row stride leaves the rows' starts short of 16-byte alignment,
     the rows from their first boundary as `window` allows; else 0 (ALIGN's vectors, or
@@ -104,7 +102,7 @@ def vector_shift(N: int, *rows: torch.Tensor) -> int:
     vec = 16 // rows[0].element_size()
     if N < vec or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
         return 0  # no whole 16-byte piece (an empty row too), or vectors already
-    return window(N, N, *rows)[1]
+    return window(N, N, *rows, boundary=boundary)[1]
 
 
 # ------------------------------------------------------------------------ device side

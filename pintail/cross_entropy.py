@@ -365,17 +365,23 @@ BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
 # repeated). ODD_VOCAB_SHIFT False: the 2-byte loads (tune_cross_entropy.py --odd-vocab-shift
 # compares the two).
 ODD_VOCAB_SHIFT = True
+# Where SHIFT starts the slices (cluster.window's `boundary`, bytes): session 25, 16 -> 128,
+# backward 0.85 -> 0.88 at V = 128257, 0.77 -> 0.79 at 50257; forward 0.946 -> 0.943 and
+# 0.80 -> 0.79 (two runs each, alternating).
+VOCAB_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
 
 
 def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
 
 
-def _vectors(V, prob_target, rows, strides):
-    """(ALIGN, SHIFT) of a kernel's row accesses: SHIFT for the class-index kernels where the
-    rows of `rows` start short of 16-byte alignment (ODD_VOCAB_SHIFT: cluster.vector_shift),
-    else ALIGN from the row length and the `strides` of every tensor read by rows."""
-    shift = cluster.vector_shift(V, *rows) if ODD_VOCAB_SHIFT and not prob_target else 0
+def _vectors(V, prob_target, direction, rows, strides):
+    """(ALIGN, SHIFT) of the `direction` kernel's row accesses: SHIFT for the class-index
+    kernels where the rows of `rows` start short of 16-byte alignment (ODD_VOCAB_SHIFT:
+    cluster.vector_shift), else ALIGN from the row length and the `strides` of every tensor
+    read by rows."""
+    boundary = VOCAB_BOUNDARY_BYTES[direction]
+    shift = cluster.vector_shift(V, *rows, boundary=boundary) if ODD_VOCAB_SHIFT and not prob_target else 0
     return (1 if shift else row_alignment(V, *strides)), shift
 
 
@@ -407,7 +413,7 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
-    align, shift = _vectors(V, prob_target, (x,), strides)
+    align, shift = _vectors(V, prob_target, "forward", (x,), strides)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), ALIGN=align,
                   num_warps=FORWARD_WARPS)
     if prob_target:
@@ -451,7 +457,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
-    align, shift = _vectors(V, prob_target, (x, dx), strides)
+    align, shift = _vectors(V, prob_target, "backward", (x, dx), strides)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats

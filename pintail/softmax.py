@@ -467,10 +467,14 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16
 # 0.99, 1001 0.82 / 0.86 -> 0.94 / 0.99, 4097 0.41 / 0.62 -> 0.94 / 0.99, 7001 0.62 / 0.83 ->
 # 0.94 / 0.95, 12289 0.42 / 0.59 -> 0.80 / 0.90, 16383 0.46 / 0.62 -> 0.88 / 0.91; 257 lost
 # (0.46 / 0.65 -> 0.40 / 0.59). log_softmax alike (backward 0.93-1.00). Slices of 2048 at
-# 1 warp and backward past 16384 (GPUs without clusters only) not measured.
+# 1 warp and backward past 16384 (GPUs without clusters only) not measured. The backward's
+# slices start on 128-byte boundaries, the forward's on 16-byte ones (cluster.window's
+# `boundary`; session 25, 16 -> 128 at 12289: backward 0.91 -> 0.93, forward 0.80 -> 0.78;
+# at 4097 0.995 -> 0.999 and 0.945 -> 0.944).
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
 BACKWARD_ROW_SHIFT = [(1024, 1), (16384, 4), (32768, 16)]
+ROW_SHIFT_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
 # Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
 # the persistent grid (one round: the writes trail the reads by as many tickets as there
 # are programs, so a row's readers have finished when its writers come, and the lagged
@@ -584,7 +588,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
     if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
-        block, unit = cfg["BLOCK"], cluster.BOUNDARY_BYTES // item_size  # the slices `cluster.window` cuts
+        block, unit = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts
         if N / (cdiv(N // unit * unit, block) * block) < FORWARD_FILL_BELOW:
             return FORWARD_LOW_FILL
     return cfg
@@ -600,15 +604,17 @@ def backward_config(N, log, item_size=2, clusters=False):
     return cfg
 
 
-def _row_shift_config(N, table, *rows):
-    """The row-shift plan for rows of N elements of `rows` (the tensors a kernel reads and
-    writes) where the rows plan would move them through narrower than 16-byte loads and
-    stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else None. Its slice (BLOCK) holds
-    the row's whole pieces between boundaries: at most N // SHIFT * SHIFT elements."""
-    shift = cluster.vector_shift(N, *rows)
+def _row_shift_config(N, direction, *rows):
+    """The row-shift plan of `direction` (forward, backward) for rows of N elements of `rows`
+    (the tensors a kernel reads and writes) where the rows plan would move them through
+    narrower than 16-byte loads and stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else
+    None. Its slice (BLOCK) holds the row's whole pieces between boundaries: at most
+    N // SHIFT * SHIFT elements."""
+    shift = cluster.vector_shift(N, *rows, boundary=ROW_SHIFT_BOUNDARY_BYTES[direction])
     if N <= ROWS_SHIFT_PAST or not shift:
         return None
     block = next_power_of_2(N // shift * shift)
+    table = FORWARD_ROW_SHIFT if direction == "forward" else BACKWARD_ROW_SHIFT
     return {"plan": "row_shift", "BLOCK": block, "SHIFT": shift,
             "num_warps": next(warps for limit, warps in table if block <= limit)}
 
@@ -624,7 +630,7 @@ def launch_forward(x, y, log, config=None):
     M, N = x.shape
     cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
     if config is None and cfg["plan"] == "rows":
-        cfg = _row_shift_config(N, FORWARD_ROW_SHIFT, x, y) or cfg
+        cfg = _row_shift_config(N, "forward", x, y) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
@@ -658,7 +664,7 @@ def launch_backward(y, dy, dx, log, config=None):
     M, N = y.shape
     cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
     if config is None and cfg["plan"] == "rows":
-        cfg = _row_shift_config(N, BACKWARD_ROW_SHIFT, y, dy, dx) or cfg
+        cfg = _row_shift_config(N, "backward", y, dy, dx) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,

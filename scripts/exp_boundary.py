@@ -1,5 +1,5 @@
 """Where SHIFT starts a row's slices: the first 16-byte boundary in the row, or the first
-128-byte one (a whole L2 line; cluster.BOUNDARY_BYTES), for rows no vector width divides.
+128-byte one (a whole L2 line; cluster.window's `boundary`), for rows no vector width divides.
 Session 24's Nsight Compute profile of cross-entropy's backward at V = 128257 (16-byte
 boundaries) read 0.73 of DRAM bandwidth against 0.78 at 131072, with more L2 tag requests
 for fewer bytes: every warp's 512-byte access straddled 5 lines and 17 sectors. Prediction:
@@ -9,6 +9,7 @@ backward most (0.77-0.85 -> 0.88-0.92). Kernels alone, bf16, alternating 16 / 12
     python scripts/exp_boundary.py        # GPU only
 """
 
+import functools
 import importlib
 
 import torch
@@ -40,6 +41,17 @@ def softmax_cases(N):
             (f"softmax fwd N={N}", lambda: sm.launch_forward(x, y, False), 2 * M * N * 2)]
 
 
+def set_boundary(boundary):
+    """Every plan, both directions, from boundaries of `boundary` bytes (the cluster plans
+    call cluster.window with its default)."""
+    both = {"forward": boundary, "backward": boundary}
+    sm.ROW_SHIFT_BOUNDARY_BYTES, ce.VOCAB_BOUNDARY_BYTES = both, dict(both)
+    cluster.window = functools.partial(library_window, boundary=boundary)
+
+
+library_window = cluster.window
+
+
 def main():
     copy_bw = measure.copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -48,7 +60,7 @@ def main():
         for name, fn, nbytes in make(size):
             for run in (1, 2):
                 for boundary in (16, 128):
-                    cluster.BOUNDARY_BYTES = boundary
+                    set_boundary(boundary)
                     measure.print_fraction(f"{name} boundary {boundary} run {run}", fn, nbytes, copy_bw)
         torch.cuda.empty_cache()
 

@@ -30,8 +30,16 @@ def assert_matches(ours, truth, torch_same_dtype, unit=1e-2, factor=2):
 
 
 def boundary_shifts(dtype, boundary):
-    """The SHIFTs `cluster.window` may give rows of `dtype` under BOUNDARY_BYTES `boundary`:
+    """The SHIFTs `cluster.window` may give rows of `dtype` at a `boundary` of 16 to 128 bytes:
     the elements of 16 bytes up to those of `boundary` bytes, by powers of 2 (which one
     depends on the tensors' alignment and strides)."""
     size = torch.empty((), dtype=dtype).element_size()
     return {16 // size * 2**k for k in range(8) if 16 * 2**k <= boundary}
+
+
+def line_aligned_rows(n, width, offset=0, dtype=torch.bfloat16, device="cpu"):
+    """A view `offset` elements into 4 rows of `width` elements, n wide, whose storage starts
+    on a 128-byte boundary whatever the allocator's alignment."""
+    wide = torch.empty(4, width + 64, dtype=dtype, device=device)
+    wide = wide[:, (-wide.data_ptr() % 128) // wide.element_size():]
+    return wide[:, offset:offset + n]

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import pintail
-from pintail import _cluster as cluster
-from helpers import DTYPES, assert_matches, boundary_shifts
+from helpers import DTYPES, assert_matches, boundary_shifts, line_aligned_rows
 
 ce_module = importlib.import_module("pintail.cross_entropy")
 MULTI_CHUNK = ce_module.FORWARD_BLOCK + 1000  # more than one chunk per row in both kernels
@@ -113,9 +112,10 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     their whole 16-byte pieces one at a time. The logits are a view x_pad classes wider a row
     than the gradient: the forward reads the logits alone (SHIFT taken); the backward's
     strides agree modulo 16 bytes with x_pad 16 (SHIFT taken), not with 1 (SHIFT 0). Targets
-    and the largest logits sit in the ends. Boundaries of 16 and 128 bytes (cluster.BOUNDARY_BYTES)."""
+    and the largest logits sit in the ends. Boundaries of 16 and 128 bytes in both directions
+    (VOCAB_BOUNDARY_BYTES)."""
     monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
-    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
+    monkeypatch.setattr(ce_module, "VOCAB_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
     M = 6
     wide = torch.randn(M, V + x_pad, device=device) * 3
     wide[4, 0] = wide[5, V - 1] = 30.0
@@ -137,6 +137,15 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     check(x, target, **kw)
     taken = boundary_shifts(dtype, boundary)
     assert shifts[0] in taken and (shifts[1] in taken if x_pad == 16 else shifts[1] == 0)
+
+
+def test_odd_vocabularies_backward_from_whole_lines():
+    """The library's boundaries: the forward starts odd rows' slices on 16-byte boundaries,
+    the backward on 128-byte ones (whole L2 lines) where the logits and gradient allow."""
+    x, dx = line_aligned_rows(1001, 1001 + 64), line_aligned_rows(1001, 1001 + 64)
+    assert ce_module._vectors(1001, False, "forward", (x,), (x.stride(0),)) == (1, 8)
+    assert ce_module._vectors(1001, False, "backward", (x, dx), (x.stride(0), dx.stride(0))) == (1, 64)
+    assert ce_module._vectors(1001, False, "backward", (x, dx[:, 1:]), (x.stride(0), dx.stride(0))) == (1, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

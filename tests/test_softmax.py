@@ -7,7 +7,7 @@ import triton.language as tl
 
 import pintail
 from pintail import _cluster as cluster
-from helpers import DTYPES, assert_matches, boundary_shifts
+from helpers import DTYPES, assert_matches, boundary_shifts, line_aligned_rows
 
 softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
 OPS = {"softmax": (pintail.softmax, torch.softmax), "log_softmax": (pintail.log_softmax, torch.log_softmax)}
@@ -73,11 +73,11 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch
     (SHIFT taken), with 1 they do not (the rows plan, element by element); the backward's
     (y, dy, dx) always agree. The extremes sit in the ends: the max in a row's first element,
     in another's last, -inf heading a third. The library takes SHIFT past ROWS_SHIFT_PAST
-    only; here from 9 elements, to test it small. Boundaries of 16 and 128 bytes
-    (cluster.BOUNDARY_BYTES: with 128 the rows start at the largest boundary that every
-    tensor's alignment and strides allow)."""
+    only; here from 9 elements, to test it small. Boundaries of 16 and 128 bytes in both
+    directions (ROW_SHIFT_BOUNDARY_BYTES: with 128 the rows start at the largest boundary that
+    every tensor's alignment and strides allow)."""
     monkeypatch.setattr(softmax_module, "ROWS_SHIFT_PAST", 0)
-    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
+    monkeypatch.setattr(softmax_module, "ROW_SHIFT_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
     wide = torch.randn(23, N + x_pad, device=device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
     wide[3, :3] = -float("inf")
@@ -301,10 +301,11 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
 
 def test_row_shift_plan_where_it_won():
     """The rows plan's rows go one a program from their 16-byte boundaries only past
-    ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already."""
+    ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already; the
+    backward's from 128-byte boundaries where the tensors allow them."""
     def plan(N, dtype=torch.bfloat16, pad=16):
         rows = torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype)
-        return softmax_module._row_shift_config(N, softmax_module.FORWARD_ROW_SHIFT, *rows)
+        return softmax_module._row_shift_config(N, "forward", *rows)
     past = softmax_module.ROWS_SHIFT_PAST
     assert plan(past - 1) is None
     assert plan(past + 1) == {"plan": "row_shift", "BLOCK": 512, "SHIFT": 8, "num_warps": 1}
@@ -313,6 +314,9 @@ def test_row_shift_plan_where_it_won():
     assert plan(16383) == {"plan": "row_shift", "BLOCK": 16384, "SHIFT": 8, "num_warps": 8}
     assert plan(past + 8) is None                # 8-divisible: ALIGN's 16-byte vectors
     assert plan(past + 1, pad=1) is None         # strides that disagree modulo 16 bytes
+    lines = [line_aligned_rows(4097, 4097 + 64) for _ in range(3)]
+    assert softmax_module._row_shift_config(4097, "forward", *lines[:2])["SHIFT"] == 8
+    assert softmax_module._row_shift_config(4097, "backward", *lines)["SHIFT"] == 64  # from whole 128-byte lines
 
 
 def test_cluster_window():
@@ -332,17 +336,13 @@ def test_cluster_window():
     assert window(32771, 8192, torch.empty(2, 32771)) == (4, 4)        # 4 slices, the last takes 3 past them
 
 
-def test_cluster_window_at_128_byte_boundaries(monkeypatch):
-    """With BOUNDARY_BYTES 128 the slices start at the largest boundary, from 16 to 128 bytes,
+def test_cluster_window_at_128_byte_boundaries():
+    """With boundary 128 the slices start at the largest boundary, from 16 to 128 bytes,
     that every tensor starts on, that their row strides agree modulo, and that is no longer
     than the row."""
-    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", 128)
-    window = cluster.window
-
-    def rows(n, width, offset=0, dtype=torch.bfloat16):  # a view `offset` elements into rows of `width`
-        wide = torch.empty(4, width + 64, dtype=dtype)
-        wide = wide[:, (-wide.data_ptr() % 128) // wide.element_size():]  # 128-byte aligned, whatever the allocator
-        return wide[:, offset:offset + n]
+    def window(*args):
+        return cluster.window(*args, boundary=128)
+    rows = line_aligned_rows
     assert window(262139, 16384, rows(262139, 262139)) == (16, 64)       # 262080 elements in whole lines
     assert window(131065, 8192, rows(131065, 131065, dtype=torch.float32)) == (16, 32)
     assert window(65539, 8192, rows(65539, 65555), rows(65539, 65539)) == (8, 16)  # strides agree modulo 16 only
@@ -369,16 +369,15 @@ def _count_cover_kernel(slice_counts_ptr, end_counts_ptr, N, row_stride, BLOCK: 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("N, extra", [(64, 0), (67, 0), (67, 16), (93, 5), (129, 16), (135, 16), (7, 16)])
 @pytest.mark.parametrize("boundary", [16, 128])
-def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, boundary, monkeypatch, device):
+def test_cluster_slices_and_ends_cover_each_row_once(dtype, N, extra, boundary, device):
     """The pieces the cluster kernels load (cluster.window, slice_start, slice_mask, row_ends),
     run as a kernel on their own (in the interpreter on CPU): across the CTAs of a row, every
     element of the row exactly once and nothing past it, the slices' part in whole 16-byte
     pieces only (what makes their loads vectors), at row starts that fall at every distance
     from a boundary (row strides N + extra); boundaries of 16 and 128 bytes."""
-    monkeypatch.setattr(cluster, "BOUNDARY_BYTES", boundary)
     M, block = 9, 16
     rows = torch.empty(M, N + extra, dtype=dtype, device=device)[:, :N]
-    ctas, shift = cluster.window(N, block, rows)
+    ctas, shift = cluster.window(N, block, rows, boundary=boundary)
     if N % 16 == 0 and extra % 16 == 0 or N < 16 // rows.element_size():
         assert shift == 0
     else:
