@@ -467,14 +467,18 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16
 # 0.99, 1001 0.82 / 0.86 -> 0.94 / 0.99, 4097 0.41 / 0.62 -> 0.94 / 0.99, 7001 0.62 / 0.83 ->
 # 0.94 / 0.95, 12289 0.42 / 0.59 -> 0.80 / 0.90, 16383 0.46 / 0.62 -> 0.88 / 0.91; 257 lost
 # (0.46 / 0.65 -> 0.40 / 0.59). log_softmax alike (backward 0.93-1.00). Slices of 2048 at
-# 1 warp and backward past 16384 (GPUs without clusters only) not measured. The backward's
-# slices start on 128-byte boundaries, the forward's on 16-byte ones (cluster.window's
-# `boundary`; session 25, 16 -> 128 at 12289: backward 0.91 -> 0.93, forward 0.80 -> 0.78;
-# at 4097 0.995 -> 0.999 and 0.945 -> 0.944).
+# 1 warp and backward past 16384 (GPUs without clusters only) not measured. The slices start
+# on 16-byte boundaries (cluster.window's `boundary`). Session 25, 16 -> 128, alternating,
+# two runs each: forward at 12289 0.80 -> 0.78; backward softmax 769-4097 +0.003, 12289
+# 0.91 -> 0.92, 16383 0.91 -> 0.88; log_softmax 769 0.99 -> 0.96, 4097 0.99 -> 0.98, 12289
+# 0.93 -> 0.88, 16383 0.95 -> 0.945.
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
-BACKWARD_ROW_SHIFT = [(1024, 1), (16384, 4), (32768, 16)]
-ROW_SHIFT_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
+# log_softmax's backward takes 8 warps at slices of 16384 (session 25, 4 -> 8 warps: 12289
+# 0.93 -> 0.97, 16383 0.95 -> 0.98; softmax's 0.90 -> 0.84 and 0.904 -> 0.910, so 4).
+BACKWARD_ROW_SHIFT = {False: [(1024, 1), (16384, 4), (32768, 16)],
+                      True: [(1024, 1), (8192, 4), (16384, 8), (32768, 16)]}
+ROW_SHIFT_BOUNDARY_BYTES = {"forward": 16, "backward": 16}
 # Split plan: slice length, warps, persistent programs per SM, and the lag in rounds of
 # the persistent grid (one round: the writes trail the reads by as many tickets as there
 # are programs, so a row's readers have finished when its writers come, and the lagged
@@ -604,7 +608,7 @@ def backward_config(N, log, item_size=2, clusters=False):
     return cfg
 
 
-def _row_shift_config(N, direction, *rows):
+def _row_shift_config(N, direction, log, *rows):
     """The row-shift plan of `direction` (forward, backward) for rows of N elements of `rows`
     (the tensors a kernel reads and writes) where the rows plan would move them through
     narrower than 16-byte loads and stores (cluster.vector_shift), past ROWS_SHIFT_PAST; else
@@ -614,7 +618,7 @@ def _row_shift_config(N, direction, *rows):
     if N <= ROWS_SHIFT_PAST or not shift:
         return None
     block = next_power_of_2(N // shift * shift)
-    table = FORWARD_ROW_SHIFT if direction == "forward" else BACKWARD_ROW_SHIFT
+    table = FORWARD_ROW_SHIFT if direction == "forward" else BACKWARD_ROW_SHIFT[log]
     return {"plan": "row_shift", "BLOCK": block, "SHIFT": shift,
             "num_warps": next(warps for limit, warps in table if block <= limit)}
 
@@ -630,7 +634,7 @@ def launch_forward(x, y, log, config=None):
     M, N = x.shape
     cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
     if config is None and cfg["plan"] == "rows":
-        cfg = _row_shift_config(N, "forward", x, y) or cfg
+        cfg = _row_shift_config(N, "forward", log, x, y) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
@@ -664,7 +668,7 @@ def launch_backward(y, dy, dx, log, config=None):
     M, N = y.shape
     cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
     if config is None and cfg["plan"] == "rows":
-        cfg = _row_shift_config(N, "backward", y, dy, dx) or cfg
+        cfg = _row_shift_config(N, "backward", log, y, dy, dx) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,

@@ -6,9 +6,10 @@ for fewer bytes: every warp's 512-byte access straddled 5 lines and 17 sectors. 
 128-byte boundaries bring the odd sizes to within 0.02 of the aligned neighbour, the
 backward most (0.77-0.85 -> 0.88-0.92). Kernels alone, bf16, alternating 16 / 128 twice.
 
-    python scripts/exp_boundary.py        # GPU only
+    python scripts/exp_boundary.py [--row-shift-backward]   # GPU only
 """
 
+import argparse
 import functools
 import importlib
 
@@ -33,12 +34,23 @@ def cross_entropy_cases(V):
              M * V * 2)]
 
 
-def softmax_cases(N):
+def softmax_cases(N, logs=(False,), directions=("bwd", "fwd")):
     M = 2**27 // N
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
-    return [(f"softmax bwd N={N}", lambda: sm.launch_backward(y, dy, dx, False), 3 * M * N * 2),
-            (f"softmax fwd N={N}", lambda: sm.launch_forward(x, y, False), 2 * M * N * 2)]
+    cases = []
+    for log in logs:
+        name = "log_softmax" if log else "softmax"
+        sm.launch_forward(x, y, log)  # y a real (log-)softmax for the backward
+        if "bwd" in directions:
+            cases.append((f"{name} bwd N={N}", lambda log=log: sm.launch_backward(y, dy, dx, log), 3 * M * N * 2))
+        if "fwd" in directions:
+            cases.append((f"{name} fwd N={N}", lambda log=log: sm.launch_forward(x, y, log), 2 * M * N * 2))
+    return cases
+
+
+def row_shift_backward_cases(N):  # session 25: bench run 46 read log_softmax's at 769 / 12289 low
+    return softmax_cases(N, logs=(False, True), directions=("bwd",))
 
 
 def set_boundary(boundary):
@@ -53,10 +65,17 @@ library_window = cluster.window
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--row-shift-backward", action="store_true",
+                   help="only softmax's and log_softmax's row-shift backward at 769-16383 (session 25)")
+    args = p.parse_args()
     copy_bw = measure.copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    for make, size in ((cross_entropy_cases, 128257), (cross_entropy_cases, 50257), (softmax_cases, 131065),
-                       (softmax_cases, 12289), (softmax_cases, 4097)):
+    cases = ((cross_entropy_cases, 128257), (cross_entropy_cases, 50257), (softmax_cases, 131065),
+             (softmax_cases, 12289), (softmax_cases, 4097))
+    if args.row_shift_backward:
+        cases = [(row_shift_backward_cases, N) for N in (769, 1001, 4097, 12289, 16383)]
+    for make, size in cases:
         for name, fn, nbytes in make(size):
             for run in (1, 2):
                 for boundary in (16, 128):

@@ -35,8 +35,8 @@ def main():
         for log in (False, True):
             configs = [("rows", sm.forward_config(N, log), sm.backward_config(N, log))]
             for w in map(int, args.warps.split(",")):  # the library's row-shift plan at w warps, at any N
-                configs.append((f"row_shift {w}w", {**sm._row_shift_config(N, "forward", x, y), "num_warps": w},
-                                {**sm._row_shift_config(N, "backward", y, dy, dx), "num_warps": w}))
+                configs.append((f"row_shift {w}w", {**sm._row_shift_config(N, "forward", log, x, y), "num_warps": w},
+                                {**sm._row_shift_config(N, "backward", log, y, dy, dx), "num_warps": w}))
             for name, forward_cfg, backward_cfg in configs:
                 measure.print_fraction(f"N={N} log={log} fwd {name}", lambda: sm.launch_forward(x, y, log, forward_cfg),
                                        2 * x.numel() * 2, copy_bw)

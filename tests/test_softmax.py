@@ -301,11 +301,10 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
 
 def test_row_shift_plan_where_it_won():
     """The rows plan's rows go one a program from their 16-byte boundaries only past
-    ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already; the
-    backward's from 128-byte boundaries where the tensors allow them."""
+    ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already."""
     def plan(N, dtype=torch.bfloat16, pad=16):
         rows = torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype)
-        return softmax_module._row_shift_config(N, "forward", *rows)
+        return softmax_module._row_shift_config(N, "forward", False, *rows)
     past = softmax_module.ROWS_SHIFT_PAST
     assert plan(past - 1) is None
     assert plan(past + 1) == {"plan": "row_shift", "BLOCK": 512, "SHIFT": 8, "num_warps": 1}
@@ -314,9 +313,9 @@ def test_row_shift_plan_where_it_won():
     assert plan(16383) == {"plan": "row_shift", "BLOCK": 16384, "SHIFT": 8, "num_warps": 8}
     assert plan(past + 8) is None                # 8-divisible: ALIGN's 16-byte vectors
     assert plan(past + 1, pad=1) is None         # strides that disagree modulo 16 bytes
-    lines = [line_aligned_rows(4097, 4097 + 64) for _ in range(3)]
-    assert softmax_module._row_shift_config(4097, "forward", *lines[:2])["SHIFT"] == 8
-    assert softmax_module._row_shift_config(4097, "backward", *lines)["SHIFT"] == 64  # from whole 128-byte lines
+    rows = [torch.empty(2, 12289, dtype=torch.bfloat16) for _ in range(3)]
+    assert [softmax_module._row_shift_config(12289, "backward", log, *rows)["num_warps"] for log in (False, True)] \
+        == [4, 8]                                # log_softmax's backward at 8 warps
 
 
 def test_cluster_window():
