@@ -352,7 +352,16 @@ FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
 # 0.87-0.89 -> 0.91-0.93 of copy at V = 128256-131072 (session 12).
 REDUCE_BLOCK, REDUCE_WARPS = 4096, 8
 TARGET_CHECK_BLOCK = 4096
-BACKWARD_BLOCK, BACKWARD_WARPS = 8192, 8
+# The backward's chunks. A program takes about the same time however full its chunk is (one
+# load round trip, one store), so a row's last, partly empty chunk costs a whole program:
+# V = 50304 in chunks of 8192 fills them to 0.88, and read 0.83 against 0.89 at 32768. The
+# largest of BACKWARD_BLOCKS whose chunks fill the row's sliced part to BACKWARD_FILL, else
+# the smallest. Session 25, H200, bf16, M = 4096, kernel alone, one run each, (8192, 8 warps)
+# -> this: 50304 0.825 -> 0.910 (2048), 50257 0.790 -> 0.862 (2048), 128256 0.902 -> 0.921
+# (2048), 151936 0.899 -> 0.913 (2048), 131072 0.914 -> 0.928 (8192), 262144 0.910 -> 0.926
+# (8192), 32768 0.886 -> 0.885 (8192; 2048 read 0.913 there), 128257 0.876 -> 0.873 (2048).
+# 4 warps: at 8192 4 read 0.000-0.016 above 8 at all eight sizes; at 2048 2 and 4 tied.
+BACKWARD_BLOCKS, BACKWARD_FILL, BACKWARD_WARPS = (8192, 4096, 2048), 0.99, 4
 
 
 # Vocabularies no vector width divides (32001, 50257) go from each row's first 16-byte
@@ -373,6 +382,17 @@ VOCAB_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
 
 def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
+
+
+def _backward_chunks(V, shift):
+    """(BLOCK, chunks a row) of the backward for rows of V > 0 classes whose chunks start
+    SHIFT-aligned (0: at the row's start; the classes outside them go with chunk 0): see
+    BACKWARD_BLOCKS."""
+    sliced = V // shift * shift if shift else V  # what the chunks cover (cluster.window)
+    for block in BACKWARD_BLOCKS:
+        chunk = _block(V, block)
+        if sliced >= cdiv(sliced, chunk) * chunk * BACKWARD_FILL or block == BACKWARD_BLOCKS[-1]:
+            return chunk, cdiv(sliced, chunk)
 
 
 def _vectors(V, prob_target, direction, rows, strides):
@@ -453,11 +473,11 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
         return dx
     has_weight = weight is not None
     w = weight if has_weight else stats
-    block = _block(V, BACKWARD_BLOCK)
-    grid = (M, cdiv(V, block))
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
     align, shift = _vectors(V, prob_target, "backward", (x, dx), strides)
+    block, chunks = _backward_chunks(V, shift)
+    grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats

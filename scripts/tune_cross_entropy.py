@@ -8,6 +8,8 @@ session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an on
     python scripts/tune_cross_entropy.py [--sizes 32768,131072] [--default-only]
     python scripts/tune_cross_entropy.py --sizes 32001,50257 --odd-vocab-shift   # the default config with
         # ODD_VOCAB_SHIFT off and on, alternating, twice each (odd vocabularies from 16-byte boundaries)
+    python scripts/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
+        --blocks 8192,4096,2048 --warps 2,4,8   # session 25: does the backward's last chunk's fill cost?
 """
 
 import argparse
@@ -27,18 +29,26 @@ def main():
     p.add_argument("--default-only", action="store_true", help="time the library's default configuration alone")
     p.add_argument("--odd-vocab-shift", action="store_true",
                    help="the default configuration with ce.ODD_VOCAB_SHIFT off and on, alternating, twice each")
+    p.add_argument("--directions", default="fwd,bwd")
+    p.add_argument("--blocks", default="4096,8192,16384,32768", help="BLOCKs of the sweep")
+    p.add_argument("--warps", default="4,8,16", help="warps of the sweep")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
+    directions = args.directions.split(",")
+    blocks, warps = (list(map(int, a.split(","))) for a in (args.blocks, args.warps))
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     results = []
-    default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS), "bwd": (ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS)}
+    library_blocks, library_warps = ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS
     for V in sizes:
         M = 4096
         x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
         target = torch.randint(0, V, (M,), device="cuda")
         _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
+        shift = ce._vectors(V, False, "backward", (x, x), (x.stride(0),) * 2)[1]
+        default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS),
+                   "bwd": (ce._backward_chunks(V, shift)[0], library_warps)}  # the chunk BACKWARD_BLOCKS picks
         if args.odd_vocab_shift:
             for run, shift in ((1, False), (1, True), (2, False), (2, True)):
                 ce.ODD_VOCAB_SHIFT = shift
@@ -54,24 +64,27 @@ def main():
             ce.ODD_VOCAB_SHIFT = False
             sweep = []
         else:
-            sweep = [None] if args.default_only else itertools.product((4096, 8192, 16384, 32768), (4, 8, 16))
+            sweep = [None] if args.default_only else itertools.product(blocks, warps)
         for pair in sweep:  # (BLOCK, warps) for both kernels; None: each kernel's default
             if pair and pair[0] // (32 * pair[1]) > 64:  # more than 64 elements a thread: spills
                 continue
-            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
-            record(results, "fwd", V, pair or default["fwd"],
-                   lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
-                   M * V * 2, copy_bw, default["fwd"])
-            ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
-            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = pair or default["bwd"]
-            record(results, "bwd", V, pair or default["bwd"],
-                   lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
-                                        denominator),
-                   2 * M * V * 2, copy_bw, default["bwd"])
-            ce.BACKWARD_BLOCK, ce.BACKWARD_WARPS = default["bwd"]
+            if "fwd" in directions:
+                ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
+                record(results, "fwd", V, pair or default["fwd"],
+                       lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                       M * V * 2, copy_bw, default["fwd"])
+                ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
+            if "bwd" in directions:
+                if pair:  # the one block, whatever its fill
+                    ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = (pair[0],), pair[1]
+                record(results, "bwd", V, pair or default["bwd"],
+                       lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                                            denominator),
+                       2 * M * V * 2, copy_bw, default["bwd"])
+                ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = library_blocks, library_warps
         del x
         torch.cuda.empty_cache()
-    print_best(results, ["fwd", "bwd"], sizes)
+    print_best(results, directions, sizes)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,18 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     assert shifts[0] in taken and (shifts[1] in taken if x_pad == 16 else shifts[1] == 0)
 
 
+def test_backward_chunks_fill_the_row():
+    """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
+    sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
+    program past the sliced part (chunk 0 takes the classes outside it)."""
+    chunks = ce_module._backward_chunks
+    assert chunks(131072, 0) == (8192, 16) and chunks(32768, 0) == (8192, 4)
+    assert chunks(50304, 0) == (2048, 25)        # 8192 would fill 0.88, 4096 0.95
+    assert chunks(256001, 64) == (4096, 63)      # 256000 sliced: 4096 fills 0.992
+    assert chunks(8193, 64) == (8192, 1)         # the one class past 8192 goes with chunk 0
+    assert chunks(1000, 0) == (1024, 1) and chunks(7, 0) == (16, 1)
+
+
 def test_odd_vocabularies_backward_from_whole_lines():
     """The library's boundaries: the forward starts odd rows' slices on 16-byte boundaries,
     the backward on 128-byte ones (whole L2 lines) where the logits and gradient allow."""
