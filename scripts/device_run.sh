@@ -30,7 +30,9 @@
                                                  # against the rows plan per warps (24, sessions 23-24);
                                                  # cross-entropy's odd vocabularies from 16-byte
                                                  # boundaries, off / on (25, run in session 24);
-                                                 # SHIFT from 16- or 128-byte boundaries (26, session 24, prepared)
+                                                 # SHIFT from 16- or 128-byte boundaries (26, session 24; run in 25)
+                                                 # RMSNorm / LayerNorm at hidden sizes no power of two
+                                                 # (2560-6144) with chunks that fill the row (27, 28; session 25)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -77,7 +79,9 @@ case $mode in
                "exp_softmax_cluster.py --form rounds --sizes 131072,262144"
                "exp_softmax_fill.py" "exp_softmax_rows_shift.py --sizes 129,257,385,513,769,1001,4097,12289,16383"
                "tune_cross_entropy.py --odd-vocab-shift --sizes 32001,50257,128257,151937,256001"
-               "exp_boundary.py")
+               "exp_boundary.py"
+               "tune_norm.py --sizes 2560,3072,5120,6144 --out /tmp"
+               "tune_norm.py --layer --sizes 2560,3072,5120,6144 --out /tmp")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

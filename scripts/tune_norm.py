@@ -39,6 +39,17 @@ def configs(direction, N, rms):
         for warps in (1, 2, 4, 8, 16, 32):
             if 4 <= block_n // (32 * warps) <= 64:
                 out.append({"plan": "long", "BLOCK": block_n, "num_warps": warps})
+    if N < 16384 and N < block_n * 0.99:
+        # rows that fill their power-of-two tile less than 0.99 (hidden sizes 1536, 2560,
+        # 3072, 5120, 6144, 12288): the long plan in chunks that fill the row (session 25's
+        # lead from cross-entropy's backward, where a partly empty chunk cost a whole program)
+        for block in (512, 1024, 2048, 4096):
+            if N >= -(-N // block) * block * 0.99 and N > block:
+                for warps in (2, 4, 8, 16):
+                    if 4 <= block // (32 * warps) <= 32:
+                        out += ([{"plan": "long", "BLOCK": block, "num_warps": warps}] if direction == "fwd" else
+                                [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
+                                 for per_sm in (2, 4)])
     if N >= 16384:
         for block in (4096, 8192, 16384):
             for warps in (8, 16, 32):  # 32: 32 registers at 8192-16384 (2-byte rows), two programs an SM
