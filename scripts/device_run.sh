@@ -32,7 +32,8 @@
                                                  # boundaries, off / on (25, run in session 24);
                                                  # SHIFT from 16- or 128-byte boundaries (26, session 24; run in 25)
                                                  # RMSNorm / LayerNorm at hidden sizes no power of two
-                                                 # (2560-6144) with chunks that fill the row (27, 28; session 25)
+                                                 # (2560-6144) with chunks that fill the row (27, 28; session 25);
+                                                 # softmax there, the two-pass forward in such chunks (29)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -81,7 +82,8 @@ case $mode in
                "tune_cross_entropy.py --odd-vocab-shift --sizes 32001,50257,128257,151937,256001"
                "exp_boundary.py"
                "tune_norm.py --sizes 2560,3072,5120,6144 --out /tmp"
-               "tune_norm.py --layer --sizes 2560,3072,5120,6144 --out /tmp")
+               "tune_norm.py --layer --sizes 2560,3072,5120,6144 --out /tmp"
+               "tune_softmax.py --sizes 2560,3072,5120,6144,12288 --out /tmp")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

@@ -27,6 +27,13 @@ def configs(N, direction):
                 per_thread = tile // (32 * warps)
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
+    if N < 16384 and N < block_n * 0.99 and direction == "fwd":
+        # rows that fill their power-of-two tile less than 0.99 (2560, 3072, 5120, 6144, 12288):
+        # the two-pass forward in chunks that fill the row (the second pass reads it from L2;
+        # session 25's lead from cross-entropy's backward, where a partly empty chunk cost a program)
+        out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps}
+                for block in (512, 1024, 2048, 4096) if N > block and N >= -(-N // block) * block * 0.99
+                for warps in (2, 4, 8, 16) if 4 <= block // (32 * warps) <= 32]
     if N >= 16384 and direction == "bwd":
         # own-row backward: (BLOCK, warps, programs per SM); 4096 / 4 warps takes 138 registers
         # (3 per SM fit), 8192 / 8 warps 162 (1 per SM fits; the ticket order makes any grid safe)
