@@ -99,8 +99,9 @@ def main():
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),
                 {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
-        inspect(ce._backward_kernel, signature(ce._backward_kernel),
-                {**options, "MEAN": flags, "BLOCK": ce.BACKWARD_BLOCK}, ce.BACKWARD_WARPS)
+        for block in ce.BACKWARD_BLOCKS:
+            inspect(ce._backward_kernel, signature(ce._backward_kernel),
+                    {**options, "MEAN": flags, "BLOCK": block}, ce.BACKWARD_WARPS)
     for rms in (True, False):
         flags = {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms}
         for N in (1024, 4096, 8192, 16384, 32768):
