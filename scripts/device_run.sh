@@ -33,7 +33,8 @@
                                                  # SHIFT from 16- or 128-byte boundaries (26, session 24; run in 25)
                                                  # RMSNorm / LayerNorm at hidden sizes no power of two
                                                  # (2560-6144) with chunks that fill the row (27, 28; session 25);
-                                                 # softmax there, the two-pass forward in such chunks (29)
+                                                 # softmax there, the two-pass forward in such chunks (29);
+                                                 # softmax's forward over short odd rows as flat 16-byte spans (30)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -83,7 +84,8 @@ case $mode in
                "exp_boundary.py"
                "tune_norm.py --sizes 2560,3072,5120,6144 --out /tmp"
                "tune_norm.py --layer --sizes 2560,3072,5120,6144 --out /tmp"
-               "tune_softmax.py --sizes 2560,3072,5120,6144,12288 --out /tmp")
+               "tune_softmax.py --sizes 2560,3072,5120,6144,12288 --out /tmp"
+               "exp_softmax_flat_rows.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
