@@ -7,7 +7,8 @@ starts on a 16-byte boundary, so the span goes in and out as 16-byte vectors. tl
 moves it into a (ROWS, next_power_of_2(N)) tile for the row math and back (through shared
 memory); the flat index's row comes from a float reciprocal (exact for spans under 2^22).
 Prediction: 0.85-0.95 of copy at 197-511, against the rows plan's 0.46-0.62 (session 24).
-Session 25, prepared (interpreter check only); M a multiple of ROWS, forward only.
+The backward the same way (y and dy in, dx out). Session 25, prepared (interpreter check
+only); M a multiple of ROWS.
 
     python scripts/exp_softmax_flat_rows.py          # GPU: timings; CPU (TRITON_INTERPRET=1): the check
 """
@@ -46,6 +47,35 @@ def flat_rows_forward(x_ptr, y_ptr, N, LOG: tl.constexpr, ROWS: tl.constexpr, BL
     tl.store(y_ptr + start + i, out, mask=live)
 
 
+@triton.jit
+def _to_tile(flat, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The flat span's ROWS rows as a (ROWS, BLOCK_N) float32 tile (0 past each row's end)."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    at = tl.reshape(tl.where(c < N, r * N + c, 0), [ROWS * BLOCK_N])
+    return tl.where(c < N, tl.reshape(tl.gather(flat, at, 0), [ROWS, BLOCK_N]).to(tl.float32), 0.0)
+
+
+@triton.jit
+def flat_rows_backward(y_ptr, dy_ptr, dx_ptr, N, LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       FLAT: tl.constexpr):
+    # dx = y * (dy - sum(y * dy)) (softmax) or dy - exp(y) * sum(dy) (log_softmax), the span
+    # of ROWS rows read and written as 16-byte vectors as in the forward
+    start = tl.program_id(0).to(tl.int64) * ROWS * N
+    i = tl.arange(0, FLAT)
+    live = i < ROWS * N
+    y = _to_tile(tl.load(y_ptr + start + i, mask=live, other=0.0), N, ROWS, BLOCK_N)
+    dy = _to_tile(tl.load(dy_ptr + start + i, mask=live, other=0.0), N, ROWS, BLOCK_N)
+    if LOG:
+        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+    else:
+        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    row_of = ((i.to(tl.float32) + 0.5) * (1.0 / N)).to(tl.int32)  # i // N
+    back = tl.where(live, row_of * BLOCK_N + (i - row_of * N), 0)
+    out = tl.gather(tl.reshape(dx.to(dx_ptr.dtype.element_ty), [ROWS * BLOCK_N]), back, 0)
+    tl.store(dx_ptr + start + i, out, mask=live)
+
+
 def plan(N, tile=4096):
     block_n = next_power_of_2(N)
     rows = max(8, tile // block_n)
@@ -61,6 +91,15 @@ def forward(x, log, tile=4096, warps=8):
     return y
 
 
+def backward(y, dy, log, tile=4096, warps=8):
+    M, N = y.shape
+    rows, block_n, flat = plan(N, tile)
+    assert y.is_contiguous() and dy.is_contiguous() and M % rows == 0
+    dx = torch.empty_like(y)
+    flat_rows_backward[(M // rows,)](y, dy, dx, N, LOG=log, ROWS=rows, BLOCK_N=block_n, FLAT=flat, num_warps=warps)
+    return dx
+
+
 def check(device):
     for N in (7, 77, 197, 257):
         for log in (False, True):
@@ -71,7 +110,12 @@ def check(device):
             want = (torch.log_softmax if log else torch.softmax)(x.float(), -1)
             got = forward(x, log, tile=1024, warps=4).float()
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 if not log else 1.3e-1)
-    print(f"flat-rows forward matches torch ({device})", flush=True)
+            y = (torch.log_softmax if log else torch.softmax)(x.float(), -1).to(x.dtype)
+            dy = torch.randn_like(x)
+            want = torch.empty_like(y)
+            sm.launch_backward(y, dy, want, log)  # the library's (tested against torch)
+            torch.testing.assert_close(backward(y, dy, log, tile=1024, warps=4), want, rtol=2e-2, atol=2e-2)
+    print(f"flat-rows forward and backward match torch and the library ({device})", flush=True)
 
 
 def main():
@@ -89,11 +133,18 @@ def main():
             x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
             y = torch.empty_like(x)
             name = "log_softmax" if log else "softmax"
-            measure.print_fraction(f"{name} N={N} library", lambda: sm.launch_forward(x, y, log), 4 * M * N, copy_bw)
+            dy, dx = torch.randn_like(x), torch.empty_like(x)
+            measure.print_fraction(f"{name} N={N} fwd library", lambda: sm.launch_forward(x, y, log), 4 * M * N,
+                                   copy_bw)
             for tile, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
-                measure.print_fraction(f"{name} N={N} flat {tile}/{warps}w", lambda: forward(x, log, tile, warps),
+                measure.print_fraction(f"{name} N={N} fwd flat {tile}/{warps}w", lambda: forward(x, log, tile, warps),
                                        4 * M * N, copy_bw)
-            del x, y
+            measure.print_fraction(f"{name} N={N} bwd library", lambda: sm.launch_backward(y, dy, dx, log),
+                                   6 * M * N, copy_bw)
+            for tile, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+                measure.print_fraction(f"{name} N={N} bwd flat {tile}/{warps}w",
+                                       lambda: backward(y, dy, log, tile, warps), 6 * M * N, copy_bw)
+            del x, y, dy, dx
             torch.cuda.empty_cache()
 
 
