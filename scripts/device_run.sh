@@ -34,7 +34,7 @@
                                                  # RMSNorm / LayerNorm at hidden sizes no power of two
                                                  # (2560-6144) with chunks that fill the row (27, 28; session 25);
                                                  # softmax there, the two-pass forward in such chunks (29);
-                                                 # softmax's forward over short odd rows as flat 16-byte spans (30)
+                                                 # softmax over short odd rows as flat 16-byte spans (30)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
