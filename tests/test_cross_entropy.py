@@ -151,6 +151,25 @@ def test_backward_chunks_fill_the_row():
     assert chunks(1000, 0) == (1024, 1) and chunks(7, 0) == (16, 1)
 
 
+@pytest.mark.parametrize("V, block", [(12288, 4096), (10240, 2048), (16384, 8192)])
+def test_backward_runs_in_the_chunks_chosen(V, block, monkeypatch, device):
+    """The backward kernel runs in the chunks `_backward_chunks` picks (12288: three of 4096,
+    not two of 8192; 10240: five of 2048), and its gradient matches torch's there."""
+    x = torch.randn(2, V, device=device) * 3
+    target = torch.tensor([5, V - 1], device=device)
+    launched = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        if kernel.__name__ == "_backward_kernel":
+            launched.append((grid[1], kwargs["BLOCK"]))
+        real_launch(kernel, grid, *args, **kwargs)
+
+    real_launch = ce_module.launch
+    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    check(x, target)
+    assert launched == [(V // block, block)]
+
+
 def test_odd_vocabularies_backward_from_whole_lines():
     """The library's boundaries: the forward starts odd rows' slices on 16-byte boundaries,
     the backward on 128-byte ones (whole L2 lines) where the logits and gradient allow."""
