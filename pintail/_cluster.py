@@ -204,15 +204,21 @@ def row_head(row, row_stride, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def whole_end(row, row_stride, N, SHIFT: tl.constexpr):
+    """Where `row`'s whole pieces between boundaries end, from `slice_start`: N without SHIFT."""
+    end = N
+    if SHIFT:
+        end = (N - row_head(row, row_stride, SHIFT)) // SHIFT * SHIFT
+    return end
+
+
+@triton.jit
 def slice_mask(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
     """The row's elements in CTA `rank`'s slice (from `slice_start`); where SHIFT, those of
     the row's whole pieces between boundaries only, so the mask changes only at multiples of SHIFT and
     the loads and stores are vectors (the row's other elements: `row_ends`)."""
     at = rank * BLOCK + tl.arange(0, BLOCK)
-    end = N
-    if SHIFT:
-        end = (N - row_head(row, row_stride, SHIFT)) // SHIFT * SHIFT
-    return at < end  # one return: `row` may be a column of rows (a tile's), `at` broadcast against it
+    return at < whole_end(row, row_stride, N, SHIFT)  # `row` may be a column of rows (a tile's)
 
 
 @triton.jit
@@ -223,7 +229,7 @@ def row_ends(row, row_stride, N, rank, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
     last CTA where they lie past every slice: `window`), as one small tensor of 2 x SHIFT
     entries, loaded and stored an element at a time."""
     head = row_head(row, row_stride, SHIFT)
-    end_whole = (N - head) // SHIFT * SHIFT
+    end_whole = whole_end(row, row_stride, N, SHIFT)
     j = tl.arange(0, 2 * SHIFT)
     at = tl.where(j < SHIFT, j - SHIFT, end_whole + j - SHIFT)
     in_row = tl.where(j < SHIFT, at >= -head, at < N - head)

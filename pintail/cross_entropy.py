@@ -147,8 +147,9 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
     # W = sum_j w_j), then the loss. SHIFT (rows whose starts no vector width divides): the
-    # chunks from the row's first 16-byte boundary (class `first`), over its whole 16-byte
-    # pieces, and the up to 2 x (SHIFT - 1) classes outside them one at a time (cluster.window).
+    # chunks from the row's first boundary of SHIFT elements (class `first`), over its whole
+    # pieces between boundaries, and the up to 2 x (SHIFT - 1) classes outside them one at a
+    # time (cluster.window).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -157,7 +158,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
     if SHIFT:
         chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
         first = cluster.row_head(row, x_row_stride, SHIFT)
-        span = (V - first) // SHIFT * SHIFT
+        span = cluster.whole_end(row, x_row_stride, V, SHIFT)
     running_max = -float("inf")
     running_sum = 0.0
     weighted_x = 0.0
@@ -250,7 +251,8 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One chunk of one row: read the logits again, write the gradient. SHIFT: the chunks as
-    # in the forward; chunk 0 also takes the classes outside the row's whole 16-byte pieces.
+    # in the forward (from 128-byte boundaries where they allow: VOCAB_BOUNDARY_BYTES); chunk
+    # 0 also takes the classes outside the row's whole pieces.
     if ALIGN > 1:  # as in the forward
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
