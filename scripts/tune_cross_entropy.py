@@ -10,6 +10,7 @@ session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an on
         # ODD_VOCAB_SHIFT off and on, alternating, twice each (odd vocabularies from 16-byte boundaries)
     python scripts/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
         --blocks 8192,4096,2048 --warps 2,4,8   # session 25: does the backward's last chunk's fill cost?
+    python scripts/tune_cross_entropy.py --options ...   # with weights, smoothing, z-loss and softcap
 """
 
 import argparse
@@ -32,6 +33,8 @@ def main():
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--blocks", default="4096,8192,16384,32768", help="BLOCKs of the sweep")
     p.add_argument("--warps", default="4,8,16", help="warps of the sweep")
+    p.add_argument("--options", action="store_true",
+                   help="with class weights, label smoothing 0.1, z-loss 1e-4 and softcap 30 (the largest bodies)")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
     directions = args.directions.split(",")
@@ -44,7 +47,10 @@ def main():
         M = 4096
         x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
         target = torch.randint(0, V, (M,), device="cuda")
-        _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
+        # (weight, ignore_index, smoothing, z_scale, softcap)
+        options = ((torch.rand(V, device="cuda") + 0.5, -100, 0.1, 1e-4, 30.0) if args.options
+                   else (None, -100, 0.0, 0.0, 0.0))
+        _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, False, "backward", (x, x), (x.stride(0),) * 2)[1]
         default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS),
@@ -53,12 +59,12 @@ def main():
             for run, shift in ((1, False), (1, True), (2, False), (2, True)):
                 ce.ODD_VOCAB_SHIFT = shift
                 label = ("shift" if shift else "2-byte", run)
-                _, stats, mass, _, denominator = ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean")
+                _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
                 record(results, "fwd", V, label,
-                       lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                       lambda: ce._launch_forward(x, target, *options, False, "mean"),
                        M * V * 2, copy_bw, None)
                 record(results, "bwd", V, label,
-                       lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], False, False,
                                             denominator),
                        2 * M * V * 2, copy_bw, None)
             ce.ODD_VOCAB_SHIFT = False
@@ -71,14 +77,14 @@ def main():
             if "fwd" in directions:
                 ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
                 record(results, "fwd", V, pair or default["fwd"],
-                       lambda: ce._launch_forward(x, target, None, -100, 0.0, 0.0, 0.0, False, "mean"),
+                       lambda: ce._launch_forward(x, target, *options, False, "mean"),
                        M * V * 2, copy_bw, default["fwd"])
                 ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
             if "bwd" in directions:
                 if pair:  # the one block, whatever its fill
                     ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = (pair[0],), pair[1]
                 record(results, "bwd", V, pair or default["bwd"],
-                       lambda: ce._backward(grad, x, target, None, stats, mass, -100, 0.0, 0.0, 0.0, False, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], False, False,
                                             denominator),
                        2 * M * V * 2, copy_bw, default["bwd"])
                 ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = library_blocks, library_warps
