@@ -10,7 +10,7 @@ session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an on
         # ODD_VOCAB_SHIFT off and on, alternating, twice each (odd vocabularies from 16-byte boundaries)
     python scripts/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
         --blocks 8192,4096,2048 --warps 2,4,8   # session 25: does the backward's last chunk's fill cost?
-    python scripts/tune_cross_entropy.py --options ...   # with weights, smoothing, z-loss and softcap
+    python scripts/tune_cross_entropy.py --options weight,softcap ...   # or all: weights, smoothing, z-loss, softcap
 """
 
 import argparse
@@ -33,8 +33,8 @@ def main():
     p.add_argument("--directions", default="fwd,bwd")
     p.add_argument("--blocks", default="4096,8192,16384,32768", help="BLOCKs of the sweep")
     p.add_argument("--warps", default="4,8,16", help="warps of the sweep")
-    p.add_argument("--options", action="store_true",
-                   help="with class weights, label smoothing 0.1, z-loss 1e-4 and softcap 30 (the largest bodies)")
+    p.add_argument("--options", default="",
+                   help="comma list of weight, smoothing (0.1), z_loss (1e-4), softcap (30), or all")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
     directions = args.directions.split(",")
@@ -48,8 +48,10 @@ def main():
         x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
         target = torch.randint(0, V, (M,), device="cuda")
         # (weight, ignore_index, smoothing, z_scale, softcap)
-        options = ((torch.rand(V, device="cuda") + 0.5, -100, 0.1, 1e-4, 30.0) if args.options
-                   else (None, -100, 0.0, 0.0, 0.0))
+        picked = set(args.options.split(",")) if args.options != "all" else {"weight", "smoothing", "z_loss", "softcap"}
+        options = (torch.rand(V, device="cuda") + 0.5 if "weight" in picked else None, -100,
+                   0.1 if "smoothing" in picked else 0.0, 1e-4 if "z_loss" in picked else 0.0,
+                   30.0 if "softcap" in picked else 0.0)
         _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, False, "backward", (x, x), (x.stride(0),) * 2)[1]

@@ -368,6 +368,29 @@ def test_extreme_logits(dtype, device):
     check(x.to(dtype), target, weight=torch.rand(V, device=device))
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_non_finite_logits_in_ignored_rows(smoothing, device):
+    """An ignored row adds nothing to the loss, but torch's gradient of it is
+    upstream x (softmax - one-hot): NaN wherever the row's softmax is, as here."""
+    M, V = 4, 300
+    x = torch.randn(M, V, device=device)
+    x[1, 17] = float("nan")
+    x[2, 250] = float("inf")
+    x[3, :100] = -float("inf")  # a finite softmax: the ignored row's gradient is 0
+    target = torch.tensor([5, -100, -100, -100], device=device)
+    ours_x = x.clone().requires_grad_()
+    torch_x = x.clone().requires_grad_()
+    loss = pintail.cross_entropy(ours_x, target, label_smoothing=smoothing)
+    truth = F.cross_entropy(torch_x, target, label_smoothing=smoothing)
+    assert torch.allclose(loss, truth, rtol=1e-5)
+    loss.backward()
+    truth.backward()
+    assert torch.equal(torch.isnan(ours_x.grad), torch.isnan(torch_x.grad))
+    assert torch.isnan(torch_x.grad[1:3]).all()  # the case this test is for
+    finite = ~torch.isnan(torch_x.grad)
+    assert torch.allclose(ours_x.grad[finite], torch_x.grad[finite], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("layout", ["row_slice", "wide_buffer", "transposed"])
 def test_non_contiguous_logits(layout, device):
     base = torch.randn(12, 300, device=device)
