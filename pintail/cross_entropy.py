@@ -136,27 +136,40 @@ def _shifted_sum_step(total, seen, old_max, new_max, v, x):
 
 
 @triton.jit
-def _fold_chunk(x, classes, mask, running_max, running_sum, weighted_x, weight_total, weight_ptr,
+def _fold_chunk(x, classes, mask, running_max, running_sum, anchor, weighted_x, weight_ptr,
                 HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
     """Fold a chunk of logits x (of `classes`, where mask) into the row's running (max, sum)
-    and, for smoothing, sum_j w_j (x_j - max) and W."""
-    new_max, running_sum = _online_lse_step(x, running_max, running_sum)
+    and, for smoothing, into sum_j w_j (x_j - anchor). The anchor is the row's first
+    finite max (0 before it, while every logit so far is -inf, whatever the anchor): the
+    terms need no rescaling when the max moves, both sums share one reduction, and W comes
+    from the host (no running sum of w)."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
+    terms = tl.exp2((x - shift) * LOG2E)
     if SMOOTH:
+        anchor = tl.where(running_max == -float("inf"), shift, anchor)
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
+            smoothed = tl.where(w != 0.0, w * (x - anchor), 0.0)  # w = 0 drops x = -inf (0 * -inf: NaN)
         else:
-            w = mask.to(tl.float32)
-        weighted_x, weight_total = _shifted_sum_step(weighted_x, weight_total, running_max, new_max, w, x)
-    return new_max, running_sum, weighted_x, weight_total
+            smoothed = tl.where(mask, x - anchor, 0.0)
+        # one reduction of the pairs: one barrier a chunk fewer than two sums (a tl.reduce of
+        # the two is the same code on the GPU, but a Python loop in the interpreter)
+        chunk_sum, chunk_smoothed = tl.split(tl.sum(tl.join(terms, smoothed), axis=0))
+        weighted_x += chunk_smoothed
+    else:
+        chunk_sum = tl.sum(terms, axis=0)
+    running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + chunk_sum
+    return new_max, running_sum, anchor, weighted_x
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row_stride, ignore_index, smoothing,
-                    z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
-    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and
-    # W = sum_j w_j), then the loss. SHIFT (rows whose starts no vector width divides): the
-    # chunks from the row's first boundary of SHIFT elements (class `first`), over its whole
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, stats_ptr, V, x_row_stride,
+                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max)),
+    # then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
+    # row's first boundary of SHIFT elements (class `first`), over its whole
     # pieces between boundaries, and the up to 2 x (SHIFT - 1) classes outside them one at a
     # time (cluster.window).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
@@ -170,19 +183,19 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
         span = cluster.whole_end(row, x_row_stride, V, SHIFT)
     running_max = -float("inf")
     running_sum = 0.0
+    anchor = 0.0
     weighted_x = 0.0
-    weight_total = 0.0
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < span
         x = _logits(chunks, cols, mask, softcap, SOFTCAP)
-        running_max, running_sum, weighted_x, weight_total = _fold_chunk(
-            x, first + cols, mask, running_max, running_sum, weighted_x, weight_total, weight_ptr, HAS_WEIGHT, SMOOTH)
+        running_max, running_sum, anchor, weighted_x = _fold_chunk(
+            x, first + cols, mask, running_max, running_sum, anchor, weighted_x, weight_ptr, HAS_WEIGHT, SMOOTH)
     if SHIFT:
         at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
         x = _logits(chunks, at, ends, softcap, SOFTCAP)
-        running_max, running_sum, weighted_x, weight_total = _fold_chunk(
-            x, first + at, ends, running_max, running_sum, weighted_x, weight_total, weight_ptr, HAS_WEIGHT, SMOOTH)
+        running_max, running_sum, anchor, weighted_x = _fold_chunk(
+            x, first + at, ends, running_max, running_sum, anchor, weighted_x, weight_ptr, HAS_WEIGHT, SMOOTH)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
 
@@ -197,7 +210,9 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, loss_ptr, stats_ptr, V, x_row
     else:
         w_t = 1.0
     loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
-    if SMOOTH:  # W * lse - sum_j w_j x_j
+    if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
+        weight_total = _weight_total(weight_total_ptr, V, HAS_WEIGHT)
+        weighted_x -= weight_total * (tl.where(running_max == -float("inf"), 0.0, running_max) - anchor)
         loss += smoothing / V * (weight_total * log_sum - weighted_x)
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
@@ -376,6 +391,12 @@ TARGET_CHECK_BLOCK = 4096
 # (2048), 151936 0.899 -> 0.913 (2048), 131072 0.914 -> 0.928 (8192), 262144 0.910 -> 0.926
 # (8192), 32768 0.886 -> 0.885 (8192; 2048 read 0.913 there), 128257 0.876 -> 0.873 (2048).
 # 4 warps: at 8192 4 read 0.000-0.016 above 8 at all eight sizes; at 2048 2 and 4 tied.
+# Heavy bodies (softcap, or class weights with smoothing: 127-254 registers at 8192 / 4
+# warps, 32-56 at 2048) take the smallest chunk whatever the fill. Session 26, kernel alone,
+# V = 32768 / 50257 / 131072, 8192 -> 2048 (4 warps): softcap 0.59 / 0.73 / 0.61 -> 0.88 /
+# 0.88 / 0.80, weights and smoothing 0.77 / 0.67 / 0.83 -> 0.84 / 0.82 / 0.88, every option
+# 0.53 / 0.60 / 0.56 -> 0.78 / 0.73 / 0.72 (4096 / 8 warps: 0.84 and 0.77 at 131072, below
+# 2048 at the other two).
 BACKWARD_BLOCKS, BACKWARD_FILL, BACKWARD_WARPS = (8192, 4096, 2048), 0.99, 4
 
 
@@ -399,12 +420,12 @@ def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
 
 
-def _backward_chunks(V, shift):
+def _backward_chunks(V, shift, heavy=False):
     """(BLOCK, chunks a row) of the backward for rows of V > 0 classes whose chunks start
-    SHIFT-aligned (0: at the row's start; the classes outside them go with chunk 0): see
-    BACKWARD_BLOCKS."""
+    SHIFT-aligned (0: at the row's start; the classes outside them go with chunk 0), for a
+    plain or a `heavy` body: see BACKWARD_BLOCKS."""
     sliced = V // shift * shift if shift else V  # what the chunks cover (cluster.window)
-    for block in BACKWARD_BLOCKS:
+    for block in BACKWARD_BLOCKS[-1:] if heavy else BACKWARD_BLOCKS:
         chunk = _block(V, block)
         if sliced >= cdiv(sliced, chunk) * chunk * BACKWARD_FILL or block == BACKWARD_BLOCKS[-1]:
             return chunk, cdiv(sliced, chunk)
@@ -455,8 +476,9 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
     else:
-        launch(_forward_kernel, (M,), x, target, w, loss, stats, V, x.stride(0), ignore_index, smoothing, z_scale,
-               softcap, SMOOTH=smoothing > 0, SHIFT=shift, **common)
+        weight_total = _weight_total_of(weight, loss) if smoothing > 0 else loss
+        launch(_forward_kernel, (M,), x, target, w, weight_total, loss, stats, V, x.stride(0), ignore_index, smoothing,
+               z_scale, softcap, SMOOTH=smoothing > 0, SHIFT=shift, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
                HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS)
@@ -491,7 +513,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
     align, shift = _vectors(V, prob_target, "backward", (x, dx), strides)
-    block, chunks = _backward_chunks(V, shift)
+    block, chunks = _backward_chunks(V, shift, heavy=softcap > 0 or (has_weight and smoothing > 0))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, num_warps=BACKWARD_WARPS)

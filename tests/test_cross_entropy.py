@@ -149,12 +149,16 @@ def test_backward_chunks_fill_the_row():
     assert chunks(256001, 64) == (4096, 63)      # 256000 sliced: 4096 fills 0.992
     assert chunks(8193, 64) == (8192, 1)         # the one class past 8192 goes with chunk 0
     assert chunks(1000, 0) == (1024, 1) and chunks(7, 0) == (16, 1)
+    assert chunks(131072, 0, heavy=True) == (2048, 64) and chunks(1000, 0, heavy=True) == (1024, 1)
 
 
-@pytest.mark.parametrize("V, block", [(12288, 4096), (10240, 2048), (16384, 8192)])
-def test_backward_runs_in_the_chunks_chosen(V, block, monkeypatch, device):
+@pytest.mark.parametrize("V, block, options", [(12288, 4096, {}), (10240, 2048, {}), (16384, 8192, {}),
+                                              (16384, 2048, {"softcap": 20.0}),
+                                              (16384, 2048, {"weight": "w", "label_smoothing": 0.1})])
+def test_backward_runs_in_the_chunks_chosen(V, block, options, monkeypatch, device):
     """The backward kernel runs in the chunks `_backward_chunks` picks (12288: three of 4096,
-    not two of 8192; 10240: five of 2048), and its gradient matches torch's there."""
+    not two of 8192; 10240: five of 2048; a softcap, or weights with smoothing: 2048), and
+    its gradient matches torch's there."""
     x = torch.randn(2, V, device=device) * 3
     target = torch.tensor([5, V - 1], device=device)
     launched = []
@@ -166,7 +170,7 @@ def test_backward_runs_in_the_chunks_chosen(V, block, monkeypatch, device):
 
     real_launch = ce_module.launch
     monkeypatch.setattr(ce_module, "launch", recording_launch)
-    check(x, target)
+    check(x, target, **with_weight(options, V, device))
     assert launched == [(V // block, block)]
 
 
