@@ -57,6 +57,8 @@ def inspect(fn, signature, constexprs, num_warps):
         constexprs = {**constexprs, "ALIGN": 1}
     if "EVEN" in signature and "EVEN" not in constexprs:  # rows of whole chunks (the bench's)
         constexprs = {**constexprs, "EVEN": True}
+    if "SHIFT" in signature and "SHIFT" not in constexprs:  # rows from their own starts (the bench's)
+        constexprs = {**constexprs, "SHIFT": 0}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"
@@ -68,7 +70,13 @@ def inspect(fn, signature, constexprs, num_warps):
                   for line in sass.splitlines()
                   if any(op in line for op in ("LDG", "STG", "ATOMG", "RED.", "BAR.")) and len(line.split()) > 2)
     regs = [l.strip() for l in usage.splitlines() if "REG" in l]
-    print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}")
+    # static SASS instructions (and MUFU ops) over the elements of BLOCK a thread holds: for a
+    # loop-free body, the issue cost an element (~31 at full bandwidth for 4 bytes an element)
+    body = [line for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line]
+    per_thread = constexprs.get("BLOCK", 0) // (32 * num_warps)
+    cost = (f", {len(body) / per_thread:.1f} instructions / {sum('MUFU' in l for l in body) / per_thread:.1f} MUFU"
+            f" an element of BLOCK" if per_thread else "")
+    print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}{cost}")
     print("   ", dict(ops))
 
 
@@ -99,7 +107,7 @@ def main():
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),
                 {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
-        for block in ce.BACKWARD_BLOCKS:
+        for block in ce.BACKWARD_BLOCKS[-1:] if flags else ce.BACKWARD_BLOCKS:  # heavy bodies: the smallest
             inspect(ce._backward_kernel, signature(ce._backward_kernel),
                     {**options, "MEAN": flags, "BLOCK": block}, ce.BACKWARD_WARPS)
     for rms in (True, False):
