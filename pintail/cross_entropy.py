@@ -444,9 +444,10 @@ def _vectors(V, prob_target, direction, rows, strides):
 # --------------------------------------------------------------- tensor-level functions
 
 
-def _weight_total_of(weight, placeholder):
-    """sum(weight) as a 1-element float32 tensor on the device; any tensor without weights."""
-    return weight.float().sum().reshape(1) if weight is not None else placeholder
+def _weight_total_of(weight, smoothing, placeholder):
+    """sum(weight) as a 1-element float32 tensor on the device where smoothing reads it (two
+    small torch kernels and their launches a call); else any tensor, never read."""
+    return weight.float().sum().reshape(1) if weight is not None and smoothing > 0 else placeholder
 
 
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
@@ -476,7 +477,7 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
     else:
-        weight_total = _weight_total_of(weight, loss) if smoothing > 0 else loss
+        weight_total = _weight_total_of(weight, smoothing, loss)
         launch(_forward_kernel, (M,), x, target, w, weight_total, loss, stats, V, x.stride(0), ignore_index, smoothing,
                z_scale, softcap, SMOOTH=smoothing > 0, SHIFT=shift, **common)
     if reduce:
@@ -523,8 +524,8 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
                target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
                **common)
     else:
-        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, stats), stats, grad, denominator, V,
-               x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
+        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, smoothing, stats), stats, grad,
+               denominator, V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
                SMOOTH=smoothing > 0, SHIFT=shift, **common)
     return dx
 
