@@ -36,7 +36,8 @@
                                                  # softmax there, the two-pass forward in such chunks (29);
                                                  # softmax over short odd rows as flat 16-byte spans (30)
                                                  # cross-entropy's forward with weights and smoothing, rows
-                                                 # sharing each weight chunk (31, session 26); every option (32); weights alone (33)
+                                                 # sharing each weight chunk (31, session 26); every option (32); weights alone (33);
+                                                 # the softcap forward about c, no running max (34)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
 #                                                  # and the tree; prints the lines with the default config
@@ -90,7 +91,8 @@ case $mode in
                "exp_softmax_flat_rows.py"
                "exp_ce_weighted_rows.py"
                "tune_cross_entropy.py --default-only --options all --sizes 32768,50257,131072,262144 --out /tmp"
-               "tune_cross_entropy.py --default-only --options weight --sizes 32768,50257,131072,262144 --out /tmp")
+               "tune_cross_entropy.py --default-only --options weight --sizes 32768,50257,131072,262144 --out /tmp"
+               "exp_ce_softcap_fixed_shift.py")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
