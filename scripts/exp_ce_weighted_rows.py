@@ -14,6 +14,7 @@ Session 26, prepared (interpreter check only).
 
 import importlib
 
+import measure
 import torch
 import triton
 import triton.language as tl
@@ -98,13 +99,9 @@ def check(device):
 
 
 def main():
-    if not torch.cuda.is_available():
-        check("cpu")
+    copy_bw = measure.checked_copy_bandwidth(check)
+    if copy_bw is None:
         return
-    check("cuda")
-    import measure
-    copy_bw = measure.copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     M = 4096
     for V in (32768, 50304, 131072):
         x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ only); M a multiple of ROWS.
 
 import importlib
 
+import measure
 import torch
 import triton
 import triton.language as tl
@@ -119,13 +120,9 @@ def check(device):
 
 
 def main():
-    if not torch.cuda.is_available():
-        check("cpu")
+    copy_bw = measure.checked_copy_bandwidth(check)
+    if copy_bw is None:
         return
-    check("cuda")
-    import measure
-    copy_bw = measure.copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     for N in (77, 197, 257, 385, 511):
         for log in (False, True):
             rows = plan(N)[0]

@@ -60,15 +60,24 @@ def print_best(results, directions, sizes):
                   f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
 
 
-def long_rows(check, sizes=(32768, 131072, 262144)):
-    """An experiment's frame: check(device) (on the CPU machine: in the interpreter), then on
-    a GPU the copy ceiling and, per N, (N, M, copy bytes per second) with M*N = 2^27."""
+def checked_copy_bandwidth(check):
+    """An experiment's start: check(device) (on the CPU machine: in the interpreter), then on
+    a GPU the copy ceiling in bytes per second, printed; None without a GPU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     check(device)
     if device.type != "cuda":
-        return
+        return None
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    return copy_bw
+
+
+def long_rows(check, sizes=(32768, 131072, 262144)):
+    """An experiment's frame: checked_copy_bandwidth, then per N (N, M, copy bytes per
+    second) with M*N = 2^27."""
+    copy_bw = checked_copy_bandwidth(check)
+    if copy_bw is None:
+        return
     for N in sizes:
         yield N, 2**27 // N, copy_bw
 
