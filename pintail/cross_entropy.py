@@ -420,6 +420,12 @@ def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
 
 
+def _heavy_body(weight, smoothing, softcap):
+    """Whether the backward's body is heavy (BACKWARD_BLOCKS): softcap, or class weights with
+    smoothing."""
+    return softcap > 0 or (weight is not None and smoothing > 0)
+
+
 def _backward_chunks(V, shift, heavy=False):
     """(BLOCK, chunks a row) of the backward for rows of V > 0 classes whose chunks start
     SHIFT-aligned (0: at the row's start; the classes outside them go with chunk 0), for a
@@ -514,7 +520,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     grad_stride = grad.stride(0) if grad.dim() else 0
     strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
     align, shift = _vectors(V, prob_target, "backward", (x, dx), strides)
-    block, chunks = _backward_chunks(V, shift, heavy=softcap > 0 or (has_weight and smoothing > 0))
+    block, chunks = _backward_chunks(V, shift, _heavy_body(weight, smoothing, softcap))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, num_warps=BACKWARD_WARPS)

@@ -55,10 +55,9 @@ def main():
         _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, False, "backward", (x, x), (x.stride(0),) * 2)[1]
-        heavy = options[4] > 0 or (options[0] is not None and options[2] > 0)  # softcap, or weights and smoothing
-        try:
-            block = ce._backward_chunks(V, shift, heavy)[0]  # the chunk BACKWARD_BLOCKS picks
-        except TypeError:  # a library from before session 26 (A/B): one rule for every body
+        try:  # the chunk BACKWARD_BLOCKS picks
+            block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
+        except AttributeError:  # a library from before session 26 (A/B): one rule for every body
             block = ce._backward_chunks(V, shift)[0]
         default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS), "bwd": (block, library_warps)}
         if args.odd_vocab_shift:
