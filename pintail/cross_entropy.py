@@ -116,51 +116,54 @@ def _logits(x_row, cols, mask, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _online_lse_step(x, running_max, running_sum):
-    """Fold a chunk into a running (max, sum of exp(x - max)): one exp per logit and one
-    rescale per chunk (a scalar max per chunk, not per lane)."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
-    running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), axis=0)
-    return new_max, running_sum
+def _class_weights(weights, classes, mask, HAS_WEIGHT: tl.constexpr):
+    """The class weights of a chunk in float32 (0 past the row's end), or the mask without
+    weights."""
+    if HAS_WEIGHT:
+        v = tl.load(weights + classes, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = mask
+    return v
 
 
 @triton.jit
-def _shifted_sum_step(total, seen, old_max, new_max, v, x):
-    """Fold a chunk into a running sum of v * (x - max), the terms so far shifted by
-    (old - new) when the max moves, and into the running sum of v (`seen`)."""
-    old = tl.where(old_max == -float("inf"), 0.0, old_max)
-    new = tl.where(new_max == -float("inf"), 0.0, new_max)
-    total = total + seen * (old - new) + tl.sum(tl.where(v != 0.0, v * (x - new), 0.0), axis=0)
-    return total, seen + tl.sum(v, axis=0)
-
-
-@triton.jit
-def _fold_chunk(x, classes, mask, running_max, running_sum, anchor, weighted_x, weight_ptr,
-                HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr):
-    """Fold a chunk of logits x (of `classes`, where mask) into the row's running (max, sum)
-    and, for smoothing, into sum_j w_j (x_j - anchor). The anchor is the row's first
-    finite max (0 before it, while every logit so far is -inf, whatever the anchor): the
-    terms need no rescaling when the max moves, both sums share one reduction, and W comes
-    from the host (no running sum of w)."""
+def _fold_chunk(x, v, running_max, running_sum, anchor, weighted_x, mass, SMOOTH: tl.constexpr,
+                WEIGHTED: tl.constexpr, MASS: tl.constexpr):
+    """Fold a chunk of logits x into the row's running (max, sum of exp(x - max)) and, for
+    smoothing, into sum_j v_j (x_j - anchor), with v the chunk's weights of that sum
+    (WEIGHTED; else v is the chunk's mask: weight 1) and, with MASS, into sum_j v_j. The
+    caller loads v beside x, before the max: a load the compiler finds after the max's
+    barrier is issued there and waits alone (weights + smoothing: 0.38 of copy, session
+    27). The anchor is the row's first finite max (0 before it, while every logit so far is
+    -inf, whatever the anchor): the terms need no rescaling when the max moves, and every
+    sum of a chunk goes through one reduction (one barrier a chunk fewer than two sums; a
+    tl.reduce of the tuple is the same code on the GPU, but a Python loop in the interpreter)."""
     new_max = tl.maximum(running_max, tl.max(x, axis=0))
     shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
     terms = tl.exp2((x - shift) * LOG2E)
     if SMOOTH:
         anchor = tl.where(running_max == -float("inf"), shift, anchor)
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
-            smoothed = tl.where(w != 0.0, w * (x - anchor), 0.0)  # w = 0 drops x = -inf (0 * -inf: NaN)
+        if WEIGHTED:
+            smoothed = tl.where(v != 0.0, v * (x - anchor), 0.0)  # v = 0 drops x = -inf (0 * -inf: NaN)
         else:
-            smoothed = tl.where(mask, x - anchor, 0.0)
-        # one reduction of the pairs: one barrier a chunk fewer than two sums (a tl.reduce of
-        # the two is the same code on the GPU, but a Python loop in the interpreter)
-        chunk_sum, chunk_smoothed = tl.split(tl.sum(tl.join(terms, smoothed), axis=0))
+            smoothed = tl.where(v, x - anchor, 0.0)
+        if MASS:
+            sums, masses = tl.split(tl.sum(tl.join(tl.join(terms, smoothed), tl.join(v, v)), axis=0))
+            chunk_sum, chunk_smoothed = tl.split(sums)
+            mass += tl.split(masses)[0]
+        else:
+            chunk_sum, chunk_smoothed = tl.split(tl.sum(tl.join(terms, smoothed), axis=0))
         weighted_x += chunk_smoothed
     else:
         chunk_sum = tl.sum(terms, axis=0)
     running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + chunk_sum
-    return new_max, running_sum, anchor, weighted_x
+    return new_max, running_sum, anchor, weighted_x, mass
+
+
+@triton.jit
+def _about_max(weighted_x, mass, running_max, anchor):
+    """sum_j v_j (x_j - max) from the sum about the anchor and mass = sum_j v_j."""
+    return weighted_x - mass * (tl.where(running_max == -float("inf"), 0.0, running_max) - anchor)
 
 
 @triton.jit
@@ -189,13 +192,15 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
         cols = start + tl.arange(0, BLOCK)
         mask = cols < span
         x = _logits(chunks, cols, mask, softcap, SOFTCAP)
-        running_max, running_sum, anchor, weighted_x = _fold_chunk(
-            x, first + cols, mask, running_max, running_sum, anchor, weighted_x, weight_ptr, HAS_WEIGHT, SMOOTH)
+        v = _class_weights(weight_ptr + first, cols, mask, HAS_WEIGHT and SMOOTH)
+        running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
+            x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
     if SHIFT:
         at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
         x = _logits(chunks, at, ends, softcap, SOFTCAP)
-        running_max, running_sum, anchor, weighted_x = _fold_chunk(
-            x, first + at, ends, running_max, running_sum, anchor, weighted_x, weight_ptr, HAS_WEIGHT, SMOOTH)
+        v = _class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
+        running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
+            x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
 
@@ -212,8 +217,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
     loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
     if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
         weight_total = _weight_total(weight_total_ptr, V, HAS_WEIGHT)
-        weighted_x -= weight_total * (tl.where(running_max == -float("inf"), 0.0, running_max) - anchor)
-        loss += smoothing / V * (weight_total * log_sum - weighted_x)
+        loss += smoothing / V * (weight_total * log_sum - _about_max(weighted_x, weight_total, running_max, anchor))
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
     tl.store(loss_ptr + row, loss)
@@ -225,8 +229,8 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
 def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
                           smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) and
-    # B = sum_j w_j y'_j; loss = B * log-sum - A.
+    # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) (from
+    # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
     if ALIGN > 1:  # as in _forward_kernel
         V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -234,23 +238,22 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     y_row = y_ptr + row * y_row_stride
     running_max = -float("inf")
     running_sum = 0.0
+    anchor = 0.0
     target_x = 0.0
     mass = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         x = _logits(x_row, cols, mask, softcap, SOFTCAP)
-        new_max, running_sum = _online_lse_step(x, running_max, running_sum)
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
         if HAS_WEIGHT:
-            y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        # y = 0 drops x = -inf (torch's 0 * -inf would give NaN)
-        target_x, mass = _shifted_sum_step(target_x, mass, running_max, new_max, y, x)
-        running_max = new_max
+            y *= _class_weights(weight_ptr, cols, mask, True)
+        running_max, running_sum, anchor, target_x, mass = _fold_chunk(
+            x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
-    tl.store(loss_ptr + row, mass * log_sum - target_x + z_scale * lse * lse)
+    tl.store(loss_ptr + row, mass * log_sum - _about_max(target_x, mass, running_max, anchor) + z_scale * lse * lse)
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)

@@ -41,7 +41,7 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
     safe = torch.where(in_range & ~ignored, target, 0).long()
     loss = -(1 - smoothing) * w[safe] * logp.gather(1, safe[:, None])[:, 0] + z_scale * lse**2
     if smoothing > 0:
-        loss = loss - smoothing / V * (logp * w).sum(1)
+        loss = loss - smoothing / V * torch.where(w != 0, logp * w, 0).sum(1)  # 0 * log 0 = 0, as the kernels
     loss = torch.where(ignored, 0.0, loss)
     loss = torch.where(in_range | ignored, loss, float("nan"))
     return loss, stats, x.new_empty(0)

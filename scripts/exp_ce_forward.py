@@ -47,7 +47,8 @@ def forward_kernel(x_ptr, target_ptr, loss_ptr, stats_ptr, V, x_row_stride, igno
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = ce._logits(x_row, cols, cols < V, 0.0, False)
-        running_max, running_sum = ce._online_lse_step(x, running_max, running_sum)
+        running_max, running_sum, _, _, _ = ce._fold_chunk(x, x, running_max, running_sum, 0.0, 0.0, 0.0, False, False,
+                                                           False)
     log_sum = tl.log2(running_sum) * ce.LN2
     loss = tl.where(ignored, 0.0, (running_max - x_t) + log_sum)
     tl.store(loss_ptr + row, tl.where(in_range | ignored, loss, float("nan")))

@@ -11,6 +11,8 @@ session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an on
     python scripts/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
         --blocks 8192,4096,2048 --warps 2,4,8   # session 25: does the backward's last chunk's fill cost?
     python scripts/tune_cross_entropy.py --options weight,softcap ...   # or all: weights, smoothing, z-loss, softcap
+    python scripts/tune_cross_entropy.py --probs ...   # probability targets (bf16, rows summing to 1): the
+        # forward reads x and y (2 tensors), the backward x and y and writes the gradient (3)
 """
 
 import argparse
@@ -35,6 +37,7 @@ def main():
     p.add_argument("--warps", default="4,8,16", help="warps of the sweep")
     p.add_argument("--options", default="",
                    help="comma list of weight, smoothing (0.1), z_loss (1e-4), softcap (30), or all")
+    p.add_argument("--probs", action="store_true", help="probability targets instead of class indices")
     args = p.parse_args()
     sizes = list(map(int, args.sizes.split(",")))
     directions = args.directions.split(",")
@@ -46,15 +49,19 @@ def main():
     for V in sizes:
         M = 4096
         x = torch.randn(M, V, device="cuda", dtype=torch.bfloat16)
-        target = torch.randint(0, V, (M,), device="cuda")
+        if args.probs:
+            target = torch.softmax(torch.randn(M, V, device="cuda"), dim=-1).to(x.dtype)
+        else:
+            target = torch.randint(0, V, (M,), device="cuda")
+        tensors = 2 if args.probs else 1  # the row tensors the forward reads (the backward: one more)
         # (weight, ignore_index, smoothing, z_scale, softcap)
         picked = set(args.options.split(",")) if args.options != "all" else {"weight", "smoothing", "z_loss", "softcap"}
         options = ((torch.rand(V, device="cuda") + 0.5).to(x.dtype) if "weight" in picked else None, -100,
                    0.1 if "smoothing" in picked else 0.0, 1e-4 if "z_loss" in picked else 0.0,
                    30.0 if "softcap" in picked else 0.0)
-        _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
+        _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
-        shift = ce._vectors(V, False, "backward", (x, x), (x.stride(0),) * 2)[1]
+        shift = ce._vectors(V, args.probs, "backward", (x, x), (x.stride(0),) * 2)[1]
         try:  # the chunk BACKWARD_BLOCKS picks
             block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
         except AttributeError:  # a library from before session 26 (A/B): one rule for every body
@@ -64,12 +71,12 @@ def main():
             for run, shift in ((1, False), (1, True), (2, False), (2, True)):
                 ce.ODD_VOCAB_SHIFT = shift
                 label = ("shift" if shift else "2-byte", run)
-                _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, False, "mean")
+                _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
                 record(results, "fwd", V, label,
-                       lambda: ce._launch_forward(x, target, *options, False, "mean"),
+                       lambda: ce._launch_forward(x, target, *options, args.probs, "mean"),
                        M * V * 2, copy_bw, None)
                 record(results, "bwd", V, label,
-                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], False, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, False,
                                             denominator),
                        2 * M * V * 2, copy_bw, None)
             ce.ODD_VOCAB_SHIFT = False
@@ -82,16 +89,16 @@ def main():
             if "fwd" in directions:
                 ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
                 record(results, "fwd", V, pair or default["fwd"],
-                       lambda: ce._launch_forward(x, target, *options, False, "mean"),
-                       M * V * 2, copy_bw, default["fwd"])
+                       lambda: ce._launch_forward(x, target, *options, args.probs, "mean"),
+                       tensors * M * V * 2, copy_bw, default["fwd"])
                 ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
             if "bwd" in directions:
                 if pair:  # the one block, whatever its fill
                     ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = (pair[0],), pair[1]
                 record(results, "bwd", V, pair or default["bwd"],
-                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], False, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, False,
                                             denominator),
-                       2 * M * V * 2, copy_bw, default["bwd"])
+                       (tensors + 1) * M * V * 2, copy_bw, default["bwd"])
                 ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = library_blocks, library_warps
         del x
         torch.cuda.empty_cache()

@@ -372,6 +372,56 @@ def test_extreme_logits(dtype, device):
     check(x.to(dtype), target, weight=torch.rand(V, device=device))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weight"])
+def test_extreme_logits_probability_targets(dtype, weighted, device):
+    """The probability-target forward's sums about the row's first finite max: huge logits,
+    a leading chunk of -inf, a max that moves by 1e4 in the last chunk. Where a logit is -inf
+    its class carries no target mass, and pintail takes 0 * log 0 as 0 (torch's loss is NaN
+    there, its gradient finite): the truth is torch's with -inf as -1e300."""
+    M, V = 5, MULTI_CHUNK
+    x = torch.randn(M, V, device=device) * 2
+    x[0, ::3] = 1e4
+    x[1, :] = -1e4
+    x[2, 5:] = -float("inf")
+    x[3, : V // 2] = -float("inf")
+    x[4, V - 3] = 1e4
+    x = x.to(dtype)
+    target = torch.softmax(torch.randn(M, V, device=device), dim=1)
+    target[x == -float("inf")] = 0.0
+    weight = torch.rand(V, device=device) if weighted else None
+    x_ours = x.clone().requires_grad_()
+    loss = pintail.cross_entropy(x_ours, target, weight, reduction="none")
+    x_truth = x.double().clamp(min=-1e300).requires_grad_()
+    truth = F.cross_entropy(x_truth, target.double(), None if weight is None else weight.double(), reduction="none")
+    upstream = torch.randn(M, device=device)
+    (dx,) = torch.autograd.grad(loss, x_ours, upstream.to(dtype))
+    (dx_truth,) = torch.autograd.grad(truth, x_truth, upstream.double())
+    assert torch.isfinite(loss).all()
+    assert_matches(loss, truth, truth.to(dtype), unit=1.0)
+    assert_matches(dx, dx_truth, dx_truth.to(dtype), unit=1.0)
+
+
+def test_zero_weight_classes_at_minus_inf(device):
+    """Label smoothing spreads mass over every class by its weight; a class of weight 0 whose
+    logit is -inf adds 0 * log 0 = 0 (torch: NaN), in the kernels and the CPU path alike."""
+    M, V = 4, MULTI_CHUNK
+    x = torch.randn(M, V, device=device)
+    x[:, 3::7] = -float("inf")
+    weight = torch.rand(V, device=device) + 0.1
+    weight[3::7] = 0.0
+    target = torch.tensor([0, 1, 2, -100], device=device)
+    x_ours = x.clone().requires_grad_()
+    loss = pintail.cross_entropy(x_ours, target, weight, label_smoothing=0.1, reduction="none")
+    x_truth = x.double().clamp(min=-1e300).requires_grad_()
+    truth = F.cross_entropy(x_truth, target, weight.double(), label_smoothing=0.1, reduction="none")
+    (dx,) = torch.autograd.grad(loss.sum(), x_ours)
+    (dx_truth,) = torch.autograd.grad(truth.sum(), x_truth)
+    assert torch.isfinite(loss).all()
+    assert_matches(loss, truth, truth.float(), unit=1.0)
+    assert_matches(dx, dx_truth, dx_truth.float(), unit=1.0)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_non_finite_logits_in_ignored_rows(smoothing, device):
     """An ignored row adds nothing to the loss, but torch's gradient of it is
