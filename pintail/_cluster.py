@@ -60,8 +60,9 @@ def words_bytes(cluster: int) -> int:
 
 
 def window(N: int, block: int, *rows: torch.Tensor, boundary: int = 16) -> tuple:
-    """(CTAs a row, SHIFT) for rows of N elements of `rows` (tensors of one dtype, rows along
-    dim 0) cut into slices of `block`. Triton knows a row is 16-byte aligned only where the
+    """(CTAs a row, SHIFT) for rows of N elements of `rows` (tensors, rows along dim 0, read at
+    the same classes: cross-entropy's logits and probability targets may differ in dtype)
+    cut into slices of `block`. Triton knows a row is 16-byte aligned only where the
     row length and strides are multiples of 16 (else every load is 2 bytes wide: 0.04-0.69
     of copy). SHIFT (elements in a boundary of 16 to `boundary` bytes) starts each row's
     slices at the first boundary in the row: the row's whole pieces between boundaries then
@@ -80,16 +81,21 @@ def window(N: int, block: int, *rows: torch.Tensor, boundary: int = 16) -> tuple
     12289, log_softmax's row-shift backward 0.93 -> 0.88 at 12289 (softmax's there gained
     0.91 -> 0.92, and lost 0.91 -> 0.88 at 16383).
     """
-    size = rows[0].element_size()
+    # SHIFT in elements: a boundary of SHIFT elements is one of 16 bytes or more in every tensor
+    size = min(t.element_size() for t in rows)
     vec = 16 // size
-    strides = [t.stride(0) for t in rows]
+
+    def unaligned(shift):  # some tensor's element 0, or some row, off a boundary of `shift` elements
+        return (any(t.data_ptr() % (shift * t.element_size()) for t in rows)
+                or len({t.stride(0) % shift for t in rows}) > 1)
+
     plain = cdiv(N, block), 0
-    if N < vec or any(t.data_ptr() % 16 for t in rows) or len({s % vec for s in strides}) > 1:
+    if N < vec or unaligned(vec):
         return plain  # no 16-byte boundary that every row of every tensor starts the same distance from
-    if N % 16 == 0 and all(s % 16 == 0 for s in strides):
+    if N % 16 == 0 and all(t.stride(0) % 16 == 0 for t in rows):
         return plain  # Triton specialises these as 16-divisible: vector loads already
     shift = boundary // size
-    while shift > N or any(t.data_ptr() % (shift * size) for t in rows) or len({s % shift for s in strides}) > 1:
+    while shift > N or unaligned(shift):
         shift //= 2  # stops at vec at the latest: it qualifies (above)
     return cdiv(N // shift * shift, block), shift
 
@@ -99,7 +105,7 @@ def vector_shift(N: int, *rows: torch.Tensor, boundary: int = 16) -> int:
     where the row length or a row stride leaves the rows' starts short of 16-byte alignment,
     the rows from their first boundary as `window` allows; else 0 (ALIGN's vectors, or
     Triton's own 16-divisibility, are 16 bytes already)."""
-    vec = 16 // rows[0].element_size()
+    vec = 16 // min(t.element_size() for t in rows)
     if N < vec or all(size % vec == 0 for size in (N, *(t.stride(0) for t in rows))):
         return 0  # no whole 16-byte piece (an empty row too), or vectors already
     return window(N, N, *rows, boundary=boundary)[1]

@@ -226,29 +226,48 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
 
 
 @triton.jit
+def _target_weights(y_chunks, at, mask, weights, smoothing, V, HAS_WEIGHT: tl.constexpr):
+    """w_j y'_j of the classes `at` (where mask; 0 elsewhere), y' = (1 - e) y + e / V."""
+    y = tl.load(y_chunks + at, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
+    if HAS_WEIGHT:
+        y *= _class_weights(weights, at, mask, True)
+    return y
+
+
+@triton.jit
 def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
                           smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                          BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) (from
     # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
+    # SHIFT: the logits' and the targets' rows from the same boundary, as in _forward_kernel
+    # (cluster.window: their row strides agree modulo SHIFT).
     if ALIGN > 1:  # as in _forward_kernel
         V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    y_row = y_ptr + row * y_row_stride
+    x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
+    y_chunks = y_ptr + cluster.slice_start(row, y_row_stride, SHIFT)
+    first, span = 0, V
+    if SHIFT:
+        first = cluster.row_head(row, x_row_stride, SHIFT)
+        span = cluster.whole_end(row, x_row_stride, V, SHIFT)
     running_max = -float("inf")
     running_sum = 0.0
     anchor = 0.0
     target_x = 0.0
     mass = 0.0
-    for start in range(0, V, BLOCK):
+    for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
-        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
-        if HAS_WEIGHT:
-            y *= _class_weights(weight_ptr, cols, mask, True)
+        mask = cols < span
+        x = _logits(x_chunks, cols, mask, softcap, SOFTCAP)
+        y = _target_weights(y_chunks, cols, mask, weight_ptr + first, smoothing, V, HAS_WEIGHT)
+        running_max, running_sum, anchor, target_x, mass = _fold_chunk(
+            x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
+    if SHIFT:
+        at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
+        x = _logits(x_chunks, at, ends, softcap, SOFTCAP)
+        y = _target_weights(y_chunks, at, ends, weight_ptr + first, smoothing, V, HAS_WEIGHT)
         running_max, running_sum, anchor, target_x, mass = _fold_chunk(
             x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
     log_sum = tl.log2(running_sum) * LN2
@@ -349,30 +368,53 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
 def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                            x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
                            HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
-                           ALIGN: tl.constexpr):
+                           ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+    # One chunk of one row; SHIFT as in _backward_kernel, the targets' rows from the same
+    # boundary as the logits' (cluster.window).
     if ALIGN > 1:  # as in the forward
         V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
         y_row_stride = aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < V
+    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = 0
+    if SHIFT:
+        first = cluster.row_head(row, x_row_stride, SHIFT)
+    mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
-    mass = tl.load(mass_ptr + row)
     g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
-    coef = (mass + 2.0 * z_scale * (row_max + log_sum)) * g  # the row's factors times g, as above
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    coef = (tl.load(mass_ptr + row) + 2.0 * z_scale * (row_max + log_sum)) * g  # the row's factors times g
+    x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
+    y_chunks = y_ptr + cluster.slice_start(row, y_row_stride, SHIFT)
+    dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
+    d = _probs_gradient(x_chunks, y_chunks, at, mask, weight_ptr + first, row_max, log_sum, coef, g, smoothing, V,
+                        softcap, HAS_WEIGHT, SOFTCAP)
+    tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
+    if SHIFT:
+        if tl.program_id(1) == 0:
+            ends_at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
+            d_ends = _probs_gradient(x_chunks, y_chunks, ends_at, ends, weight_ptr + first, row_max, log_sum, coef, g,
+                                     smoothing, V, softcap, HAS_WEIGHT, SOFTCAP)
+            tl.store(dx_chunks + ends_at, d_ends.to(dx_ptr.dtype.element_ty), mask=ends)
+
+
+@triton.jit
+def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coef, g, smoothing, V, softcap,
+                    HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The gradient at classes `at` (where mask) of a row with probability targets:
+    g (p_k coef' - w_k y'_k), coef' = B + 2 z lse, times the softcap's derivative."""
+    x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
     if SOFTCAP:
         tanh = _tanh_over(x, softcap)
         x = softcap * tanh
-    y = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_chunks + at, mask=mask, other=0.0).to(tl.float32)
     y = y * ((1.0 - smoothing) * g) + smoothing / V * g
     if HAS_WEIGHT:
-        y *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y *= _class_weights(weights, at, mask, True)
     d = tl.exp2((x - row_max) * LOG2E - log_sum * LOG2E) * coef - y
     if SOFTCAP:
         d *= 1.0 - tanh * tanh
-    tl.store(dx_ptr + row * dx_row_stride + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+    return d
 
 
 # ------------------------------------------------------------------ launch heuristics
@@ -405,8 +447,9 @@ BACKWARD_BLOCKS, BACKWARD_FILL, BACKWARD_WARPS = (8192, 4096, 2048), 0.99, 4
 
 # Vocabularies no vector width divides (32001, 50257) go from each row's first 16-byte
 # boundary, the classes outside its whole 16-byte pieces one at a time (SHIFT, as softmax's
-# long rows), class-index targets only. Session 24, H200, bf16, M*V = 2^27, kernels alone,
-# off / on alternating, forward / backward fraction of copy (2-byte loads -> SHIFT): 32001
+# long rows); probability targets too (since session 27: their rows from the same boundary as
+# the logits', where their strides agree). Session 24, class indices, H200, bf16, M*V = 2^27, kernels
+# alone, off / on alternating, forward / backward fraction of copy (2-byte loads -> SHIFT): 32001
 # 0.66 / 0.57 -> 0.77 / 0.83, 50257 0.68 / 0.53 -> 0.80 / 0.77, 128257 0.78 / 0.57 -> 0.94 /
 # 0.85, 151937 0.79 / 0.57 -> 0.95 / 0.84, 256001 0.80 / 0.57 -> 0.97 / 0.84 (4 runs each at
 # 32001 and 50257, 2 elsewhere; two single readings of 0.37 and 0.52 in one run were not
@@ -440,13 +483,13 @@ def _backward_chunks(V, shift, heavy=False):
             return chunk, cdiv(sliced, chunk)
 
 
-def _vectors(V, prob_target, direction, rows, strides):
-    """(ALIGN, SHIFT) of the `direction` kernel's row accesses: SHIFT for the class-index
-    kernels where the rows of `rows` start short of 16-byte alignment (ODD_VOCAB_SHIFT:
-    cluster.vector_shift), else ALIGN from the row length and the `strides` of every tensor
-    read by rows."""
+def _vectors(V, direction, rows):
+    """(ALIGN, SHIFT) of the `direction` kernel's accesses to the rows of `rows` (the row
+    tensors it reads or writes): SHIFT where their rows start short of 16-byte alignment
+    (ODD_VOCAB_SHIFT: cluster.vector_shift), else ALIGN from the row length and strides."""
     boundary = VOCAB_BOUNDARY_BYTES[direction]
-    shift = cluster.vector_shift(V, *rows, boundary=boundary) if ODD_VOCAB_SHIFT and not prob_target else 0
+    strides = [t.stride(0) for t in rows]
+    shift = cluster.vector_shift(V, *rows, boundary=boundary) if ODD_VOCAB_SHIFT else 0
     return (1 if shift else row_alignment(V, *strides)), shift
 
 
@@ -478,17 +521,16 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
         return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
-    strides = (x.stride(0), target.stride(0)) if prob_target else (x.stride(0),)
-    align, shift = _vectors(V, prob_target, "forward", (x,), strides)
+    align, shift = _vectors(V, "forward", (x, target) if prob_target else (x,))
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), ALIGN=align,
-                  num_warps=FORWARD_WARPS)
+                  SHIFT=shift, num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
     else:
         weight_total = _weight_total_of(weight, smoothing, loss)
         launch(_forward_kernel, (M,), x, target, w, weight_total, loss, stats, V, x.stride(0), ignore_index, smoothing,
-               z_scale, softcap, SMOOTH=smoothing > 0, SHIFT=shift, **common)
+               z_scale, softcap, SMOOTH=smoothing > 0, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
                HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS)
@@ -521,21 +563,19 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     has_weight = weight is not None
     w = weight if has_weight else stats
     grad_stride = grad.stride(0) if grad.dim() else 0
-    strides = (x.stride(0), dx.stride(0), target.stride(0)) if prob_target else (x.stride(0), dx.stride(0))
-    align, shift = _vectors(V, prob_target, "backward", (x, dx), strides)
+    align, shift = _vectors(V, "backward", (x, dx, target) if prob_target else (x, dx))
     block, chunks = _backward_chunks(V, shift, _heavy_body(weight, smoothing, softcap))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  ALIGN=align, num_warps=BACKWARD_WARPS)
+                  ALIGN=align, SHIFT=shift, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
-               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap,
-               **common)
+               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
     else:
         launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, smoothing, stats), stats, grad,
                denominator, V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
-               SMOOTH=smoothing > 0, SHIFT=shift, **common)
+               SMOOTH=smoothing > 0, **common)
     return dx
 
 

@@ -61,7 +61,7 @@ def main():
                    30.0 if "softcap" in picked else 0.0)
         _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
-        shift = ce._vectors(V, args.probs, "backward", (x, x), (x.stride(0),) * 2)[1]
+        shift = ce._vectors(V, "backward", (x, x, target) if args.probs else (x, x))[1]
         try:  # the chunk BACKWARD_BLOCKS picks
             block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
         except AttributeError:  # a library from before session 26 (A/B): one rule for every body

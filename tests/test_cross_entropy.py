@@ -139,6 +139,47 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     assert shifts[0] in taken and (shifts[1] in taken if x_pad == 16 else shifts[1] == 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V", [9, 1001, MULTI_CHUNK + 1])
+@pytest.mark.parametrize("target_dtype", ["same", "float32"])
+@pytest.mark.parametrize("options", [{}, {"weight": "w", "label_smoothing": 0.25}, {"z_loss": 1e-3, "softcap": 15.0},
+                                     {"reduction": "none"}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_probability_targets_from_16_byte_boundaries(dtype, V, target_dtype, options, monkeypatch, device):
+    """Probability targets over odd vocabularies: the logits (a view 16 classes wider a
+    row than the targets and the gradient) and the targets go from the same boundary in both
+    directions (SHIFT), also where the targets' dtype is wider than the logits'; the largest
+    logits and target mass sit in the ends."""
+    monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
+    M = 5
+    wide = torch.randn(M, V + 16, device=device) * 3
+    wide[3, 0] = wide[4, V - 1] = 30.0
+    x = wide.to(dtype)[:, :V]
+    target = torch.softmax(torch.randn(M, V, device=device) * 2, dim=1)
+    target[1, 0] = target[2, V - 1] = 5.0
+    target = target.to(dtype if target_dtype == "same" else torch.float32)
+    shifts = []
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        if kernel.__name__ in ("_forward_probs_kernel", "_backward_probs_kernel"):
+            shifts.append(kwargs["SHIFT"])
+        real_launch(kernel, grid, *args, **kwargs)
+
+    real_launch = ce_module.launch
+    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    check(x, target, **with_weight(options, V, device))
+    assert len(shifts) == 2 and all(shift in boundary_shifts(dtype, 128) for shift in shifts)
+
+
+def test_probability_targets_off_the_logits_boundaries():
+    """Targets whose rows start elsewhere against a boundary than the logits' (strides that
+    disagree modulo 16 bytes) keep the plain rows (SHIFT 0)."""
+    x = torch.randn(4, 1001 + 16, dtype=torch.bfloat16)[:, :1001]
+    target = torch.randn(4, 1001 + 1, dtype=torch.bfloat16)[:, :1001]
+    assert ce_module._vectors(1001, "forward", (x, target)) == (1, 0)
+    assert ce_module._vectors(1001, "forward", (x, target.contiguous()))[1] == 8
+
+
 def test_backward_chunks_fill_the_row():
     """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
     sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
@@ -178,9 +219,9 @@ def test_odd_vocabularies_backward_from_whole_lines():
     """The library's boundaries: the forward starts odd rows' slices on 16-byte boundaries,
     the backward on 128-byte ones (whole L2 lines) where the logits and gradient allow."""
     x, dx = line_aligned_rows(1001, 1001 + 64), line_aligned_rows(1001, 1001 + 64)
-    assert ce_module._vectors(1001, False, "forward", (x,), (x.stride(0),)) == (1, 8)
-    assert ce_module._vectors(1001, False, "backward", (x, dx), (x.stride(0), dx.stride(0))) == (1, 64)
-    assert ce_module._vectors(1001, False, "backward", (x, dx[:, 1:]), (x.stride(0), dx.stride(0))) == (1, 0)
+    assert ce_module._vectors(1001, "forward", (x,)) == (1, 8)
+    assert ce_module._vectors(1001, "backward", (x, dx)) == (1, 64)
+    assert ce_module._vectors(1001, "backward", (x, dx[:, 1:])) == (1, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
