@@ -419,8 +419,16 @@ def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coe
 
 # ------------------------------------------------------------------ launch heuristics
 # BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
-# 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93.
-FORWARD_BLOCK, FORWARD_WARPS = 8192, 4
+# 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93. The forward's
+# chunk: the first of FORWARD_BLOCKS for the class-index loss without smoothing, the second
+# for the bodies that hold more a chunk (probability targets: 165-207 registers at 8192, two
+# programs an SM; label smoothing). Session 27, H200, bf16, M = 4096, kernel alone, one run
+# each, 8192 -> 4096 (4 warps), V = 32768 / 50257 / 131072: probability targets 0.68 / 0.65
+# / 0.75 -> 0.83 / 0.83 / 0.88 (262144: 0.75 -> 0.86; 2048 read 0.80-0.84, 8 warps below 4
+# but at 8192), smoothing 0.70 / 0.68 / 0.80 -> 0.71 / 0.72 / 0.82, weights and smoothing
+# 0.53 / 0.39 / 0.62 -> 0.54 / 0.41 / 0.64. A softcap alone stays at 8192 (0.55 there at
+# 131072, 4096 no better at 32768).
+FORWARD_BLOCKS, FORWARD_WARPS = (8192, 4096), 4
 # One program each, a block of rows per step: in steps of 1024 (a load latency each) the
 # reduction of 4096 rows took 6.8 us and the check of 4096 targets 2.8 us. The check in one
 # step, with its count written into pinned memory (no copy after it): checked forward
@@ -464,6 +472,11 @@ VOCAB_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
 
 def _block(V, block):
     return min(block, max(16, next_power_of_2(V)))
+
+
+def _forward_block(V, smoothing, prob_target):
+    """The forward's chunk for rows of V classes (FORWARD_BLOCKS)."""
+    return _block(V, FORWARD_BLOCKS[-1] if smoothing > 0 or prob_target else FORWARD_BLOCKS[0])
 
 
 def _heavy_body(weight, smoothing, softcap):
@@ -522,7 +535,7 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     align, shift = _vectors(V, "forward", (x, target) if prob_target else (x,))
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_block(V, FORWARD_BLOCK), ALIGN=align,
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_forward_block(V, smoothing, prob_target), ALIGN=align,
                   SHIFT=shift, num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),

@@ -106,7 +106,7 @@ def main():
     for flags in (False, True):
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags}
         inspect(ce._forward_kernel, signature(ce._forward_kernel),
-                {**options, "BLOCK": ce.FORWARD_BLOCK}, ce.FORWARD_WARPS)
+                {**options, "BLOCK": ce.FORWARD_BLOCKS[flags]}, ce.FORWARD_WARPS)
         for block in ce.BACKWARD_BLOCKS[-1:] if flags else ce.BACKWARD_BLOCKS:  # heavy bodies: the smallest
             inspect(ce._backward_kernel, signature(ce._backward_kernel),
                     {**options, "MEAN": flags, "BLOCK": block}, ce.BACKWARD_WARPS)

@@ -62,11 +62,9 @@ def main():
         _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, "backward", (x, x, target) if args.probs else (x, x))[1]
-        try:  # the chunk BACKWARD_BLOCKS picks
-            block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
-        except AttributeError:  # a library from before session 26 (A/B): one rule for every body
-            block = ce._backward_chunks(V, shift)[0]
-        default = {"fwd": (ce.FORWARD_BLOCK, ce.FORWARD_WARPS), "bwd": (block, library_warps)}
+        block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
+        default = {"fwd": (ce._forward_block(V, options[2], args.probs), ce.FORWARD_WARPS),
+                   "bwd": (block, library_warps)}
         if args.odd_vocab_shift:
             for run, shift in ((1, False), (1, True), (2, False), (2, True)):
                 ce.ODD_VOCAB_SHIFT = shift
@@ -87,11 +85,13 @@ def main():
             if pair and pair[0] // (32 * pair[1]) > 64:  # more than 64 elements a thread: spills
                 continue
             if "fwd" in directions:
-                ce.FORWARD_BLOCK, ce.FORWARD_WARPS = pair or default["fwd"]
+                library_forward = ce.FORWARD_BLOCKS, ce.FORWARD_WARPS
+                if pair:  # the one chunk, whatever the body
+                    ce.FORWARD_BLOCKS, ce.FORWARD_WARPS = (pair[0],), pair[1]
                 record(results, "fwd", V, pair or default["fwd"],
                        lambda: ce._launch_forward(x, target, *options, args.probs, "mean"),
                        tensors * M * V * 2, copy_bw, default["fwd"])
-                ce.FORWARD_BLOCK, ce.FORWARD_WARPS = default["fwd"]
+                ce.FORWARD_BLOCKS, ce.FORWARD_WARPS = library_forward
             if "bwd" in directions:
                 if pair:  # the one block, whatever its fill
                     ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = (pair[0],), pair[1]
