@@ -39,7 +39,8 @@
                                                  # sharing each weight chunk (31, session 26); every option (32); weights alone (33);
                                                  # the softcap forward about c, no running max (34)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
-#                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`)
+#                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`;
+#                                                  # ab_dir is git-ignored: name it in the device call's carry)
 #                                                  # and the tree; prints the lines with the default config
 #   bash scripts/device_run.sh profile ["case N" ...] # ncu on one launch of each long-row plan (~1.5 min),
 #                                                  # or of the cases given (scripts/profile_kernel.py)
