@@ -535,8 +535,8 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     align, shift = _vectors(V, "forward", (x, target) if prob_target else (x,))
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_forward_block(V, smoothing, prob_target), ALIGN=align,
-                  SHIFT=shift, num_warps=FORWARD_WARPS)
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_forward_block(V, smoothing, prob_target),
+                  ALIGN=align, SHIFT=shift, num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
                smoothing, z_scale, softcap, **common)
