@@ -67,6 +67,17 @@ def _ops():
     def class_targets(M, N, dtype, device):
         return (torch.randn(M, N, device=device, dtype=dtype),), (torch.randint(0, N, (M,), device=device),)
 
+    def probability_targets(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype),), (torch.softmax(torch.randn(M, N, device=device),
+                                                                                -1).to(dtype),)
+
+    def class_targets_and_weights(M, N, dtype, device):
+        return ((torch.randn(M, N, device=device, dtype=dtype) * 10,),
+                (torch.randint(0, N, (M,), device=device), torch.rand(N, device=device, dtype=dtype) + 0.5))
+
+    def torch_options(x, t, w):  # softcap as users write it before torch's loss
+        return F.cross_entropy(OPTIONS_SOFTCAP * torch.tanh(x / OPTIONS_SOFTCAP), t, w, label_smoothing=0.1)
+
     def attention_heads(M, N, dtype, device):
         """BENCHMARKS.md: q (8, 32, seq, 128), k (8, 8, seq, 128), (batch, heads, seq, dim); seq = N;
         M caps the batch (small in the CPU check)."""
@@ -113,6 +124,16 @@ def _ops():
                             {"fwd": 1, "fwd+bwd": 3}, (32768, 128256, 131072, 151936, 262144),
                             rows=lambda N: 4096, make=class_targets,
                             unchecked=lambda x, t: pintail.cross_entropy(x, t, check_target=False)),
+        # probability targets (no gradient to them): read x and y (fwd); then read x and y,
+        # write dx (bwd). 50257: rows from 16-byte boundaries
+        "cross_entropy_probs": Op(pintail.cross_entropy, torch.nn.functional.cross_entropy,
+                                  {"fwd": 2, "fwd+bwd": 5}, (32768, 50257, 131072), rows=lambda N: 4096,
+                                  make=probability_targets),
+        # class weights, label smoothing 0.1 and a softcap of 30 (the weights' V elements not counted)
+        "cross_entropy_options": Op(lambda x, t, w: pintail.cross_entropy(x, t, w, label_smoothing=0.1,
+                                                                          softcap=OPTIONS_SOFTCAP),
+                                    torch_options, {"fwd": 1, "fwd+bwd": 3}, (32768, 50257, 131072),
+                                    rows=lambda N: 4096, make=class_targets_and_weights),
         "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
                      {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
                      check_sizes=[(1, 3), (2, 17)]),
@@ -120,14 +141,15 @@ def _ops():
 
 
 DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary"]
+OPTIONS_SOFTCAP = 30.0
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, rms_norm, layer_norm, "
-                        "rms_norm_residual, rotary); default: "
+                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, cross_entropy_probs, "
+                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
@@ -321,9 +343,10 @@ def check_in_interpreter(args):
                 inputs, others = op.make(M, N, dtype, "cpu")
                 t0 = time.time()
                 try:
-                    def run(fn, cast):  # outputs and input gradients, inputs cast first
+                    def run(fn, cast):  # outputs and input gradients, inputs (and float others) cast first
                         xs = tuple(cast(t).detach().requires_grad_() for t in inputs)
-                        ys = _outputs(fn(*xs, *others))
+                        rest = tuple(cast(t) if t.is_floating_point() else t for t in others)
+                        ys = _outputs(fn(*xs, *rest))
                         return ys, torch.autograd.grad(ys, xs, [cast(g) for g in dys])
                     dys = [torch.randn_like(y) for y in _outputs(op.torch(*inputs, *others))]
                     ours = run(op.pintail, lambda t: t)
