@@ -133,7 +133,10 @@ def _ops():
         "cross_entropy_options": Op(lambda x, t, w: pintail.cross_entropy(x, t, w, label_smoothing=0.1,
                                                                           softcap=OPTIONS_SOFTCAP),
                                     torch_options, {"fwd": 1, "fwd+bwd": 3}, (32768, 50257, 131072),
-                                    rows=lambda N: 4096, make=class_targets_and_weights),
+                                    rows=lambda N: 4096, make=class_targets_and_weights,
+                                    # not V = 1: smoothing's gradient there cancels to 0 in float64, leaving
+                                    # float32 rounding of terms the size of the weights (no relative error)
+                                    check_sizes=[size for size in CHECK_SIZES if size[1] > 1]),
         "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
                      {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
                      check_sizes=[(1, 3), (2, 17)]),
