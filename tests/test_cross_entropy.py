@@ -87,6 +87,21 @@ def with_weight(options, V, device):
     return {k: (torch.rand(V, device=device) + 0.1 if v == "w" else v) for k, v in options.items()}
 
 
+def record_launches(monkeypatch, kernels, record):
+    """The list of record(grid, launch options) of each launch of the kernels named, which
+    still run."""
+    recorded = []
+    real_launch = ce_module.launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        if kernel.__name__ in kernels:
+            recorded.append(record(grid, kwargs))
+        real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    return recorded
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("V", [1, 7, 1000, MULTI_CHUNK])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
@@ -125,15 +140,7 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     target[2], target[3] = 0, V - 1
     if "ignore_index" in kw:
         target[0] = kw["ignore_index"]
-    shifts = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        if kernel.__name__ in ("_forward_kernel", "_backward_kernel"):
-            shifts.append(kwargs["SHIFT"])
-        real_launch(kernel, grid, *args, **kwargs)
-
-    real_launch = ce_module.launch
-    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    shifts = record_launches(monkeypatch, ("_forward_kernel", "_backward_kernel"), lambda grid, kw: kw["SHIFT"])
     check(x, target, **kw)
     taken = boundary_shifts(dtype, boundary)
     assert shifts[0] in taken and (shifts[1] in taken if x_pad == 16 else shifts[1] == 0)
@@ -158,15 +165,8 @@ def test_probability_targets_from_16_byte_boundaries(dtype, V, target_dtype, opt
     target = torch.softmax(torch.randn(M, V, device=device) * 2, dim=1)
     target[1, 0] = target[2, V - 1] = 5.0
     target = target.to(dtype if target_dtype == "same" else torch.float32)
-    shifts = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        if kernel.__name__ in ("_forward_probs_kernel", "_backward_probs_kernel"):
-            shifts.append(kwargs["SHIFT"])
-        real_launch(kernel, grid, *args, **kwargs)
-
-    real_launch = ce_module.launch
-    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    shifts = record_launches(monkeypatch, ("_forward_probs_kernel", "_backward_probs_kernel"),
+                             lambda grid, kw: kw["SHIFT"])
     check(x, target, **with_weight(options, V, device))
     assert len(shifts) == 2 and all(shift in boundary_shifts(dtype, 128) for shift in shifts)
 
@@ -202,15 +202,7 @@ def test_backward_runs_in_the_chunks_chosen(V, block, options, monkeypatch, devi
     its gradient matches torch's there."""
     x = torch.randn(2, V, device=device) * 3
     target = torch.tensor([5, V - 1], device=device)
-    launched = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        if kernel.__name__ == "_backward_kernel":
-            launched.append((grid[1], kwargs["BLOCK"]))
-        real_launch(kernel, grid, *args, **kwargs)
-
-    real_launch = ce_module.launch
-    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    launched = record_launches(monkeypatch, ("_backward_kernel",), lambda grid, kw: (grid[1], kw["BLOCK"]))
     check(x, target, **with_weight(options, V, device))
     assert launched == [(V // block, block)]
 
