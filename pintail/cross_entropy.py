@@ -356,7 +356,7 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
     d = p * coef - tl.where(at == target_at, hit, 0.0)
     if SMOOTH:
         if HAS_WEIGHT:
-            d -= spread * tl.load(weights + at, mask=mask, other=0.0).to(tl.float32)
+            d -= spread * _class_weights(weights, at, mask, True)
         else:
             d -= spread
     if SOFTCAP:
