@@ -167,9 +167,10 @@ def _about_max(weighted_x, mass, running_max, anchor):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, stats_ptr, V, x_row_stride,
-                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
-                    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_ptr, loss_ptr, stats_ptr, V,
+                    x_row_stride, ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr,
+                    SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                    SHIFT: tl.constexpr = 0):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max)),
     # then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
     # row's first boundary of SHIFT elements (class `first`), over its whole
@@ -184,6 +185,9 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
         chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
         first = cluster.row_head(row, x_row_stride, SHIFT)
         span = cluster.whole_end(row, x_row_stride, V, SHIFT)
+    # the chunks' weights from row `first` of _weight_rows' table; the ends' (at < 0 too) from its
+    # row 0, the weights themselves
+    row_weights = weight_ptr + first * weight_stride
     running_max = -float("inf")
     running_sum = 0.0
     anchor = 0.0
@@ -192,7 +196,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_total_ptr, loss_ptr, s
         cols = start + tl.arange(0, BLOCK)
         mask = cols < span
         x = _logits(chunks, cols, mask, softcap, SOFTCAP)
-        v = _class_weights(weight_ptr + first, cols, mask, HAS_WEIGHT and SMOOTH)
+        v = _class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
         running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
             x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
     if SHIFT:
@@ -236,8 +240,8 @@ def _target_weights(y_chunks, at, mask, weights, smoothing, V, HAS_WEIGHT: tl.co
 
 
 @triton.jit
-def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride, y_row_stride,
-                          smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
+                          y_row_stride, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) (from
     # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
@@ -252,6 +256,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
         span = cluster.whole_end(row, x_row_stride, V, SHIFT)
+    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
     running_max = -float("inf")
     running_sum = 0.0
     anchor = 0.0
@@ -261,7 +266,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, loss_ptr, stats_ptr, mass_pt
         cols = start + tl.arange(0, BLOCK)
         mask = cols < span
         x = _logits(x_chunks, cols, mask, softcap, SOFTCAP)
-        y = _target_weights(y_chunks, cols, mask, weight_ptr + first, smoothing, V, HAS_WEIGHT)
+        y = _target_weights(y_chunks, cols, mask, row_weights, smoothing, V, HAS_WEIGHT)
         running_max, running_sum, anchor, target_x, mass = _fold_chunk(
             x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
     if SHIFT:
@@ -292,8 +297,8 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
-                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_ptr, stats_ptr, grad_ptr,
+                     denom_ptr, V, x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One chunk of one row: read the logits again, write the gradient. SHIFT: the chunks as
@@ -310,6 +315,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
     mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
+    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
@@ -331,7 +337,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
-    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, weight_ptr + first,
+    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, row_weights,
                         HAS_WEIGHT, SMOOTH, SOFTCAP)
     tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
@@ -365,7 +371,7 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
 
 
 @triton.jit
-def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, weight_stride, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                            x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
                            HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
                            ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
@@ -380,6 +386,7 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
     mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
+    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
@@ -387,7 +394,7 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     y_chunks = y_ptr + cluster.slice_start(row, y_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
-    d = _probs_gradient(x_chunks, y_chunks, at, mask, weight_ptr + first, row_max, log_sum, coef, g, smoothing, V,
+    d = _probs_gradient(x_chunks, y_chunks, at, mask, row_weights, row_max, log_sum, coef, g, smoothing, V,
                         softcap, HAS_WEIGHT, SOFTCAP)
     tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
@@ -509,6 +516,23 @@ def _vectors(V, direction, rows):
 # --------------------------------------------------------------- tensor-level functions
 
 
+def _weight_rows(weight, V, shift, per_class, placeholder):
+    """(weights, row stride) as the kernels read them: with SHIFT (rows from their first
+    boundary, `shift` elements apart) where the kernel reads every class's weight (per_class:
+    smoothing, or probability targets), a table of `shift` rows, row h = weight[h:] (0 past
+    V), each on a 16-byte boundary: a logits row with h classes before its first boundary
+    reads its chunks' weights as vectors from table row h (from the weights themselves, at
+    weight + h + j, they are 2-byte loads). Row 0 is the weights: w[t] reads it. Else the
+    weights themselves (stride 1), or the placeholder without weights (never read)."""
+    if weight is None:
+        return placeholder, 1
+    if not (shift and per_class):
+        return weight, 1
+    stride = cdiv(V, 16) * 16  # Triton specialises it as 16-divisible: the rows' loads are vectors
+    padded = torch.nn.functional.pad(weight, (0, stride + shift - V))
+    return padded.as_strided((shift, stride), (1, 1)).contiguous(), stride
+
+
 def _weight_total_of(weight, smoothing, placeholder):
     """sum(weight) as a 1-element float32 tensor on the device where smoothing reads it (two
     small torch kernels and their launches a call); else any tensor, never read."""
@@ -535,15 +559,16 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     has_weight = weight is not None
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     align, shift = _vectors(V, "forward", (x, target) if prob_target else (x,))
+    weights, weight_stride = _weight_rows(weight, V, shift, smoothing > 0 or prob_target, loss)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_forward_block(V, smoothing, prob_target),
                   ALIGN=align, SHIFT=shift, num_warps=FORWARD_WARPS)
     if prob_target:
-        launch(_forward_probs_kernel, (M,), x, target, w, loss, stats, mass, V, x.stride(0), target.stride(0),
-               smoothing, z_scale, softcap, **common)
+        launch(_forward_probs_kernel, (M,), x, target, weights, weight_stride, loss, stats, mass, V, x.stride(0),
+               target.stride(0), smoothing, z_scale, softcap, **common)
     else:
         weight_total = _weight_total_of(weight, smoothing, loss)
-        launch(_forward_kernel, (M,), x, target, w, weight_total, loss, stats, V, x.stride(0), ignore_index, smoothing,
-               z_scale, softcap, SMOOTH=smoothing > 0, **common)
+        launch(_forward_kernel, (M,), x, target, weights, weight_stride, weight_total, loss, stats, V, x.stride(0),
+               ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
                HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS)
@@ -574,20 +599,21 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     if M == 0 or V == 0:
         return dx
     has_weight = weight is not None
-    w = weight if has_weight else stats
     grad_stride = grad.stride(0) if grad.dim() else 0
     align, shift = _vectors(V, "backward", (x, dx, target) if prob_target else (x, dx))
+    weights, weight_stride = _weight_rows(weight, V, shift, smoothing > 0 or prob_target, stats)
     block, chunks = _backward_chunks(V, shift, _heavy_body(weight, smoothing, softcap))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, SHIFT=shift, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
-        launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
-               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
+        launch(_backward_probs_kernel, grid, dx, x, target, weights, weight_stride, stats, mass, grad, denominator, V,
+               x.stride(0), target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
     else:
-        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, smoothing, stats), stats, grad,
-               denominator, V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
+        weight_total = _weight_total_of(weight, smoothing, stats)
+        launch(_backward_kernel, grid, dx, x, target, weights, weight_stride, weight_total, stats, grad, denominator,
+               V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
                SMOOTH=smoothing > 0, **common)
     return dx
 

@@ -180,6 +180,24 @@ def test_probability_targets_off_the_logits_boundaries():
     assert ce_module._vectors(1001, "forward", (x, target.contiguous()))[1] == 8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_weight_rows_for_rows_from_boundaries(dtype):
+    """With SHIFT, the kernels read every class's weight from a table whose row h is the
+    weights from class h on (0 past V), each row on a 16-byte boundary (a 16-divisible
+    stride); without SHIFT, or where only w[t] is read, the weights themselves."""
+    V, shift = 1001, 8
+    weight = torch.rand(V, dtype=dtype) + 0.5
+    table, stride = ce_module._weight_rows(weight, V, shift, True, None)
+    assert stride % 16 == 0 and stride >= V and table.shape == (shift, stride)
+    assert table.data_ptr() % 16 == 0
+    for h in range(shift):
+        assert torch.equal(table[h, : V - h], weight[h:]) and not table[h, V - h:].any()
+    assert ce_module._weight_rows(weight, V, 0, True, None) == (weight, 1)
+    assert ce_module._weight_rows(weight, V, shift, False, None) == (weight, 1)
+    placeholder = torch.empty(1)
+    assert ce_module._weight_rows(None, V, shift, True, placeholder) == (placeholder, 1)
+
+
 def test_backward_chunks_fill_the_row():
     """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
     sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
