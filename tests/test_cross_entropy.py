@@ -191,15 +191,7 @@ def test_forward_rows_of_whole_chunks(V, even, options, monkeypatch, device):
     x = torch.randn(3, V, device=device) * 3
     x[1, -1] = 30.0  # the last chunk's last class holds the max
     target = torch.softmax(torch.randn(3, V, device=device), 1) if prob else torch.tensor([0, V - 1, 5], device=device)
-    taken = []
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        if kernel.__name__ in ("_forward_kernel", "_forward_probs_kernel"):
-            taken.append(kwargs["EVEN"])
-        real_launch(kernel, grid, *args, **kwargs)
-
-    real_launch = ce_module.launch
-    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    taken = record_launches(monkeypatch, ("_forward_kernel", "_forward_probs_kernel"), lambda grid, kw: kw["EVEN"])
     check(x, target, **with_weight(options, V, device))
     assert taken == [even]
 
