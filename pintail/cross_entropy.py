@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _cluster as cluster, reference
-from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
+from ._launch import (KERNEL_DTYPES, aligned, in_row, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
                       row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -170,12 +170,12 @@ def _about_max(weighted_x, mass, running_max, anchor):
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_ptr, loss_ptr, stats_ptr, V,
                     x_row_stride, ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr,
                     SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                    SHIFT: tl.constexpr = 0):
+                    SHIFT: tl.constexpr = 0, EVEN: tl.constexpr = False):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max)),
     # then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
     # row's first boundary of SHIFT elements (class `first`), over its whole
     # pieces between boundaries, and the up to 2 x (SHIFT - 1) classes outside them one at a
-    # time (cluster.window).
+    # time (cluster.window). EVEN: rows of whole chunks, loaded without a mask (_launch.in_row).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -194,7 +194,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_p
     weighted_x = 0.0
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < span
+        mask = in_row(cols, span, EVEN)
         x = _logits(chunks, cols, mask, softcap, SOFTCAP)
         v = _class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
         running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
@@ -242,11 +242,12 @@ def _target_weights(y_chunks, at, mask, weights, smoothing, V, HAS_WEIGHT: tl.co
 @triton.jit
 def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
                           y_row_stride, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                          BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+                          BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0,
+                          EVEN: tl.constexpr = False):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) (from
     # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
     # SHIFT: the logits' and the targets' rows from the same boundary, as in _forward_kernel
-    # (cluster.window: their row strides agree modulo SHIFT).
+    # (cluster.window: their row strides agree modulo SHIFT). EVEN as in _forward_kernel.
     if ALIGN > 1:  # as in _forward_kernel
         V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -264,7 +265,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, sta
     mass = 0.0
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < span
+        mask = in_row(cols, span, EVEN)
         x = _logits(x_chunks, cols, mask, softcap, SOFTCAP)
         y = _target_weights(y_chunks, cols, mask, row_weights, smoothing, V, HAS_WEIGHT)
         running_max, running_sum, anchor, target_x, mass = _fold_chunk(
@@ -560,8 +561,9 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
     w = weight if has_weight else loss  # any pointer: never read without HAS_WEIGHT
     align, shift = _vectors(V, "forward", (x, target) if prob_target else (x,))
     weights, weight_stride = _weight_rows(weight, V, shift, smoothing > 0 or prob_target, loss)
-    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=_forward_block(V, smoothing, prob_target),
-                  ALIGN=align, SHIFT=shift, num_warps=FORWARD_WARPS)
+    block = _forward_block(V, smoothing, prob_target)
+    common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, BLOCK=block, ALIGN=align, SHIFT=shift,
+                  EVEN=shift == 0 and V % block == 0, num_warps=FORWARD_WARPS)
     if prob_target:
         launch(_forward_probs_kernel, (M,), x, target, weights, weight_stride, loss, stats, mass, V, x.stride(0),
                target.stride(0), smoothing, z_scale, softcap, **common)

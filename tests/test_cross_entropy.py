@@ -198,6 +198,22 @@ def test_weight_rows_for_rows_from_boundaries(dtype):
     assert ce_module._weight_rows(None, V, shift, True, placeholder) == (placeholder, 1)
 
 
+@pytest.mark.parametrize("V, even", [(2 * ce_module.FORWARD_BLOCKS[0], True), (ce_module.FORWARD_BLOCKS[0] + 16, False)])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "weight": "w"}, {"softcap": 20.0}, {"prob": True}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_forward_rows_of_whole_chunks(V, even, options, monkeypatch, device):
+    """Rows of whole chunks (from their start) take the forward's unmasked loads (EVEN), and
+    only those; the loss matches torch's either way."""
+    options = dict(options)
+    prob = options.pop("prob", False)
+    x = torch.randn(3, V, device=device) * 3
+    x[1, -1] = 30.0  # the last chunk's last class holds the max
+    target = torch.softmax(torch.randn(3, V, device=device), 1) if prob else torch.tensor([0, V - 1, 5], device=device)
+    taken = record_launches(monkeypatch, ("_forward_kernel", "_forward_probs_kernel"), lambda grid, kw: kw["EVEN"])
+    check(x, target, **with_weight(options, V, device))
+    assert taken == [even]
+
+
 def test_backward_chunks_fill_the_row():
     """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
     sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
