@@ -298,8 +298,8 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_ptr, stats_ptr, grad_ptr,
-                     denom_ptr, V, x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
+                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One chunk of one row: read the logits again, write the gradient. SHIFT: the chunks as
@@ -316,7 +316,6 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_stride, weigh
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
     mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
-    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
     t = tl.load(target_ptr + row).to(tl.int64)
     ignored = t == ignore_index
     in_range = (t >= 0) & (t < V)
@@ -338,7 +337,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_stride, weigh
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
-    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, row_weights,
+    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, weight_ptr + first,
                         HAS_WEIGHT, SMOOTH, SOFTCAP)
     tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
@@ -372,7 +371,7 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
 
 
 @triton.jit
-def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, weight_stride, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
+def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                            x_row_stride, y_row_stride, dx_row_stride, grad_stride, smoothing, z_scale, softcap,
                            HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
                            ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
@@ -387,7 +386,6 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, weight_stride, stat
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
     mask = cluster.slice_mask(row, x_row_stride, V, tl.program_id(1), BLOCK, SHIFT)
-    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     g = _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN)
@@ -395,7 +393,7 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, weight_stride, stat
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     y_chunks = y_ptr + cluster.slice_start(row, y_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
-    d = _probs_gradient(x_chunks, y_chunks, at, mask, row_weights, row_max, log_sum, coef, g, smoothing, V,
+    d = _probs_gradient(x_chunks, y_chunks, at, mask, weight_ptr + first, row_max, log_sum, coef, g, smoothing, V,
                         softcap, HAS_WEIGHT, SOFTCAP)
     tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
@@ -518,13 +516,15 @@ def _vectors(V, direction, rows):
 
 
 def _weight_rows(weight, V, shift, per_class, placeholder):
-    """(weights, row stride) as the kernels read them: with SHIFT (rows from their first
-    boundary, `shift` elements apart) where the kernel reads every class's weight (per_class:
-    smoothing, or probability targets), a table of `shift` rows, row h = weight[h:] (0 past
-    V), each on a 16-byte boundary: a logits row with h classes before its first boundary
-    reads its chunks' weights as vectors from table row h (from the weights themselves, at
-    weight + h + j, they are 2-byte loads). Row 0 is the weights: w[t] reads it. Else the
-    weights themselves (stride 1), or the placeholder without weights (never read)."""
+    """(weights, row stride) as the forward kernels read them: with SHIFT (rows from their
+    first boundary, `shift` elements apart) where the kernel reads every class's weight
+    (per_class: smoothing, or probability targets), a table of `shift` rows, row h =
+    weight[h:] (0 past V), each on a 16-byte boundary: a logits row with h classes before its
+    first boundary reads its chunks' weights as vectors from table row h (from the weights
+    themselves, at weight + h + j, they are 2-byte loads). Row 0 is the weights: w[t] reads
+    it. Else the weights themselves (stride 1), or the placeholder without weights (never
+    read). The backward reads the weights themselves: its table (SHIFT 64) cost more than it
+    saved (docs/perf-notes.md, session 28)."""
     if weight is None:
         return placeholder, 1
     if not (shift and per_class):
@@ -601,21 +601,20 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     if M == 0 or V == 0:
         return dx
     has_weight = weight is not None
+    w = weight if has_weight else stats
     grad_stride = grad.stride(0) if grad.dim() else 0
     align, shift = _vectors(V, "backward", (x, dx, target) if prob_target else (x, dx))
-    weights, weight_stride = _weight_rows(weight, V, shift, smoothing > 0 or prob_target, stats)
     block, chunks = _backward_chunks(V, shift, _heavy_body(weight, smoothing, softcap))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
                   ALIGN=align, SHIFT=shift, num_warps=BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
-        launch(_backward_probs_kernel, grid, dx, x, target, weights, weight_stride, stats, mass, grad, denominator, V,
-               x.stride(0), target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
+        launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
+               target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
     else:
-        weight_total = _weight_total_of(weight, smoothing, stats)
-        launch(_backward_kernel, grid, dx, x, target, weights, weight_stride, weight_total, stats, grad, denominator,
-               V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
+        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, smoothing, stats), stats, grad,
+               denominator, V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
                SMOOTH=smoothing > 0, **common)
     return dx
 

@@ -182,7 +182,7 @@ def test_probability_targets_off_the_logits_boundaries():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_weight_rows_for_rows_from_boundaries(dtype):
-    """With SHIFT, the kernels read every class's weight from a table whose row h is the
+    """With SHIFT, the forward kernels read every class's weight from a table whose row h is the
     weights from class h on (0 past V), each row on a 16-byte boundary (a 16-divisible
     stride); without SHIFT, or where only w[t] is read, the weights themselves."""
     V, shift = 1001, 8
