@@ -53,11 +53,12 @@ def _softcapped(x, softcap):
 
 
 @triton.jit
-def _weight_total(weight_total_ptr, V, HAS_WEIGHT: tl.constexpr):
-    """W = sum of the class weights: V without weights, else summed by torch on the device
-    (passed by pointer: reading it on the host would synchronise)."""
+def _weight_total(mass_ptr, row, V, HAS_WEIGHT: tl.constexpr):
+    """W = sum of the class weights that smoothing spreads over: V without weights, else the
+    sum the forward took of the weights it read for the row (mass[row]; a torch sum instead
+    cost two small kernels a call, forward and backward, and their host time)."""
     if HAS_WEIGHT:
-        return tl.load(weight_total_ptr)
+        return tl.load(mass_ptr + row)
     return V * 1.0
 
 
@@ -167,12 +168,11 @@ def _about_max(weighted_x, mass, running_max, anchor):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_ptr, loss_ptr, stats_ptr, V,
-                    x_row_stride, ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr,
-                    SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
+                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                     SHIFT: tl.constexpr = 0, EVEN: tl.constexpr = False):
-    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max)),
-    # then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
+    # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and,
+    # with weights, W = sum_j w_j, stored in mass for the backward), then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
     # row's first boundary of SHIFT elements (class `first`), over its whole
     # pieces between boundaries, and the up to 2 x (SHIFT - 1) classes outside them one at a
     # time (cluster.window). EVEN: rows of whole chunks, loaded without a mask (_launch.in_row).
@@ -192,19 +192,20 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_p
     running_sum = 0.0
     anchor = 0.0
     weighted_x = 0.0
+    weight_total = 0.0
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = in_row(cols, span, EVEN)
         x = _logits(chunks, cols, mask, softcap, SOFTCAP)
         v = _class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
-            x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
+        running_max, running_sum, anchor, weighted_x, weight_total = _fold_chunk(
+            x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
     if SHIFT:
         at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
         x = _logits(chunks, at, ends, softcap, SOFTCAP)
         v = _class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
-            x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
+        running_max, running_sum, anchor, weighted_x, weight_total = _fold_chunk(
+            x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
 
@@ -220,7 +221,10 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, weight_total_p
         w_t = 1.0
     loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
     if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
-        weight_total = _weight_total(weight_total_ptr, V, HAS_WEIGHT)
+        if HAS_WEIGHT:
+            tl.store(mass_ptr + row, weight_total)
+        else:
+            weight_total = V * 1.0
         loss += smoothing / V * (weight_total * log_sum - _about_max(weighted_x, weight_total, running_max, anchor))
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
@@ -298,7 +302,7 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, stats_ptr, grad_ptr, denom_ptr, V,
+def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
                      x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
                      BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
@@ -332,7 +336,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, weight_total_ptr, st
     # dloss/dx_k = g * (p_k * coef - hit [k == t] - spread * w_k)
     coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * (row_max + log_sum)
     if SMOOTH:
-        coef += smoothing / V * _weight_total(weight_total_ptr, V, HAS_WEIGHT)
+        coef += smoothing / V * _weight_total(mass_ptr, row, V, HAS_WEIGHT)
     coef, hit, spread = coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
@@ -534,24 +538,24 @@ def _weight_rows(weight, V, shift, per_class, placeholder):
     return padded.as_strided((shift, stride), (1, 1)).contiguous(), stride
 
 
-def _weight_total_of(weight, smoothing, placeholder):
-    """sum(weight) as a 1-element float32 tensor on the device where smoothing reads it (two
-    small torch kernels and their launches a call); else any tensor, never read."""
-    return weight.float().sum().reshape(1) if weight is not None and smoothing > 0 else placeholder
+def _mass_rows(M, weight, smoothing, prob_target):
+    """Rows of the forward's mass output: B = sum_j w_j y'_j a row for probability targets,
+    W = sum_j w_j a row for class weights with smoothing; else none."""
+    return M if prob_target or (weight is not None and smoothing > 0) else 0
 
 
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
 def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
-    """Per-row loss, (max, log-sum) pairs and (probability targets) target mass B, float32,
-    of x[M, V] (lse = max + log-sum); with reduction sum / mean also the reduced loss (0-d,
-    x's dtype) and the mean's denominator (float32), from a second one-program kernel."""
+    """Per-row loss, (max, log-sum) pairs and mass (_mass_rows), float32, of x[M, V] (lse =
+    max + log-sum); with reduction sum / mean also the reduced loss (0-d, x's dtype) and the
+    mean's denominator (float32), from a second one-program kernel."""
     M, V = x.shape
     device = x.device
     loss = torch.empty(M, dtype=torch.float32, device=device)
     stats = torch.empty(M, 2, dtype=torch.float32, device=device)
-    mass = torch.empty(M if prob_target else 0, dtype=torch.float32, device=device)
+    mass = torch.empty(_mass_rows(M, weight, smoothing, prob_target), dtype=torch.float32, device=device)
     reduce = REDUCE_CODES[reduction]
     out = torch.empty((), dtype=x.dtype, device=device) if reduce else loss
     denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
@@ -568,8 +572,7 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
         launch(_forward_probs_kernel, (M,), x, target, weights, weight_stride, loss, stats, mass, V, x.stride(0),
                target.stride(0), smoothing, z_scale, softcap, **common)
     else:
-        weight_total = _weight_total_of(weight, smoothing, loss)
-        launch(_forward_kernel, (M,), x, target, weights, weight_stride, weight_total, loss, stats, V, x.stride(0),
+        launch(_forward_kernel, (M,), x, target, weights, weight_stride, loss, stats, mass, V, x.stride(0),
                ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
@@ -580,8 +583,8 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
 def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
              smoothing: float, z_scale: float, softcap: float, prob_target: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss, (max, log-sum) pair and (probability targets) target mass B, all
-    float32, of x[M, V]: lse = max + log-sum."""
+    """Per-row loss, (max, log-sum) pair and mass (_mass_rows), all float32, of x[M, V]:
+    lse = max + log-sum."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
         return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
     return _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, "none")[:3]
@@ -613,9 +616,8 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
                target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
     else:
-        launch(_backward_kernel, grid, dx, x, target, w, _weight_total_of(weight, smoothing, stats), stats, grad,
-               denominator, V, x.stride(0), dx.stride(0), grad_stride, ignore_index, smoothing, z_scale, softcap,
-               SMOOTH=smoothing > 0, **common)
+        launch(_backward_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0), dx.stride(0),
+               grad_stride, ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
     return dx
 
 
@@ -722,9 +724,9 @@ _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward
 
 @_forward_op.register_fake
 def _(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
-    M = x.shape[0]
+    M = x.shape[0]  # loss, (max, log-sum), mass
     return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, 2, dtype=torch.float32),
-            x.new_empty(M if prob_target else 0, dtype=torch.float32))  # loss, (max, log-sum), mass
+            x.new_empty(_mass_rows(M, weight, smoothing, prob_target), dtype=torch.float32))
 
 
 def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,

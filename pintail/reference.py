@@ -44,7 +44,9 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
         loss = loss - smoothing / V * torch.where(w != 0, logp * w, 0).sum(1)  # 0 * log 0 = 0, as the kernels
     loss = torch.where(ignored, 0.0, loss)
     loss = torch.where(in_range | ignored, loss, float("nan"))
-    return loss, stats, x.new_empty(0)
+    # the kernels' mass output: W = sum of the weights a row, where smoothing spreads over them
+    mass = w.sum().repeat(x.shape[0]) if weight is not None and smoothing > 0 else x.new_empty(0)
+    return loss, stats, mass
 
 
 def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_scale, softcap,

@@ -24,7 +24,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
-                    "denom_ptr", "weight_total_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr"}
+                    "denom_ptr", "mass_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr"}
 EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
