@@ -76,8 +76,25 @@ def inspect(fn, signature, constexprs, num_warps):
     per_thread = constexprs.get("BLOCK", 0) // (32 * num_warps)
     cost = (f", {len(body) / per_thread:.1f} instructions / {sum('MUFU' in l for l in body) / per_thread:.1f} MUFU"
             f" an element of BLOCK" if per_thread else "")
+    loops = loop_bodies(body)
+    if loops and per_thread:  # a streaming kernel's cost an element is its loop's, not the whole body's
+        cost += f"; loops {', '.join(f'{n / per_thread:.1f}' for n in loops)} an element"
     print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}{cost}")
     print("   ", dict(ops))
+
+
+def loop_bodies(body):
+    """Instructions in each loop of a SASS listing (from a branch's target back up to the
+    branch), largest first."""
+    address = [int(line.split("*/")[0].split("/*")[1], 16) for line in body]
+    sizes = []
+    for line, at in zip(body, address):
+        code = line.split("*/", 1)[1]
+        if " BRA " in f" {code}" and "0x" in code:
+            target = int(code.split("0x")[1].split()[0].rstrip(";"), 16)
+            if target < at:
+                sizes.append(sum(target <= a <= at for a in address))
+    return sorted(sizes, reverse=True)
 
 
 def main():
