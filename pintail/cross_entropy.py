@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _cluster as cluster, reference
-from ._launch import (KERNEL_DTYPES, aligned, in_row, as_rows, cdiv, launch, next_power_of_2, no_second_derivative,
+from ._launch import (KERNEL_DTYPES, aligned, as_rows, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
                       row_alignment, runs_kernels)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -169,13 +169,15 @@ def _about_max(weighted_x, mass, running_max, anchor):
 
 @triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
-                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                    SHIFT: tl.constexpr = 0, EVEN: tl.constexpr = False):
+                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0,
+                    EVEN: tl.constexpr = False):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and,
-    # with weights, W = sum_j w_j, stored in mass for the backward), then the loss. SHIFT (rows whose starts no vector width divides): the chunks from the
-    # row's first boundary of SHIFT elements (class `first`), over its whole
-    # pieces between boundaries, and the up to 2 x (SHIFT - 1) classes outside them one at a
-    # time (cluster.window). EVEN: rows of whole chunks, loaded without a mask (_launch.in_row).
+    # with weights, W = sum_j w_j, stored in mass for the backward), then the loss. SHIFT
+    # (rows whose starts no vector width divides): the chunks from the row's first boundary
+    # of SHIFT elements (class `first`), over its whole pieces between boundaries, and the up
+    # to 2 x (SHIFT - 1) classes outside them one at a time (cluster.window). EVEN: rows of
+    # whole chunks, loaded without a mask (_launch.in_row).
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)

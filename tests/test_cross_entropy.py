@@ -198,6 +198,20 @@ def test_weight_rows_for_rows_from_boundaries(dtype):
     assert ce_module._weight_rows(None, V, shift, True, placeholder) == (placeholder, 1)
 
 
+@pytest.mark.parametrize("V", [1001, 4099])
+def test_weight_total_from_the_forward(V, device):
+    """With weights and smoothing the forward sums the weights it reads (the table's rows and
+    the row's ends, SHIFT) into mass, a row: W, which the loss and the backward take."""
+    x = torch.randn(5, V, device=device, dtype=torch.bfloat16)
+    target = torch.randint(0, V, (5,), device=device)
+    weight = torch.rand(V, device=device, dtype=torch.bfloat16) + 0.5
+    assert ce_module._vectors(V, "forward", (x,))[1] == 8  # rows from their boundaries, ends apart
+    mass = ce_module._launch_forward(x, target, weight, -100, 0.1, 0.0, 0.0, False, "none")[2]
+    assert torch.allclose(mass, weight.float().sum().expand(5), rtol=1e-5)
+    no_smoothing = ce_module._launch_forward(x, target, weight, -100, 0.0, 0.0, 0.0, False, "none")[2]
+    assert no_smoothing.numel() == 0
+
+
 @pytest.mark.parametrize("V, even", [(2 * ce_module.FORWARD_BLOCKS[0], True), (ce_module.FORWARD_BLOCKS[0] + 16, False)])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "weight": "w"}, {"softcap": 20.0}, {"prob": True}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
