@@ -60,10 +60,14 @@ def cases(N, device, elements):
             return lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)
         return make
 
-    def cross_entropy_fwd():
-        rows = min(M, 4096)
-        x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
-        return lambda: pintail.cross_entropy(x, t, check_target=False, reduction="none")
+    def cross_entropy_fwd(weighted=False, smoothing=0.0):
+        def make():
+            rows = min(M, 4096)
+            x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
+            w = torch.rand(N, **bf16) + 0.5 if weighted else None
+            return lambda: pintail.cross_entropy(x, t, w, label_smoothing=smoothing, check_target=False,
+                                                 reduction="none")
+        return make
 
     def cross_entropy_bwd():  # the class-index backward alone, from the forward's statistics
         rows = min(M, 4096)
@@ -86,7 +90,12 @@ def cases(N, device, elements):
     return {"softmax_fwd": softmax_fwd(), "softmax_fwd_split": softmax_fwd(softmax_module.FORWARD_SPLIT),
             "softmax_bwd": softmax_bwd, "rms_fwd": norm_fwd(True),
             "layer_fwd": norm_fwd(False), "rms_bwd": norm_bwd(True), "layer_bwd": norm_bwd(False),
-            "cross_entropy_fwd": cross_entropy_fwd, "cross_entropy_bwd": cross_entropy_bwd, "rotary_fwd": rotary_fwd}
+            "cross_entropy_fwd": cross_entropy_fwd(), "cross_entropy_bwd": cross_entropy_bwd, "rotary_fwd": rotary_fwd,
+            # smoothing with and without the weights (read by every row, from L1 or L2): the weights'
+            # forward reads 0.15 below smoothing alone; its loop issues 16.6 instructions an element
+            # against 11.2 (session 28): the issue rate, or the weights' loads?
+            "cross_entropy_fwd_smooth": cross_entropy_fwd(smoothing=0.1),
+            "cross_entropy_fwd_weight_smooth": cross_entropy_fwd(True, 0.1)}
 
 
 def profile(name, N):
