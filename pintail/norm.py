@@ -742,6 +742,13 @@ FORWARD_PLANS = {
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
     "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
               (32768, "long", 16384, 16)]}
+# RMSNorm of 1025-8192: the row as one chunk of next_power_of_2(N) (not the table's BLOCK),
+# its warps the table's scaled to that chunk, and halved where the row fills at most 3/4 of
+# it (hidden sizes no power of two). Session 29, kernel alone, H200, bf16, the table's chunk
+# and warps -> this: 1536 0.78 (2048 / 8) -> 0.96 (2048 / 2; 4 warps 0.97), 2560 0.87 ->
+# 0.95, 3072 0.96 -> 0.96, 5120 0.83 -> 0.96, 6144 0.91 -> 0.96; 7168 keeps 16 warps (0.97,
+# 8 warps 0.96); 2048 takes 4 warps (0.97), 4096 and 8192 keep theirs (0.97).
+RMS_ONE_CHUNK_FILLED = (1024, 8192)
 # RMSNorm from 24577 to 32768 with narrow rows (forward_config): the row as one chunk at 32
 # warps, ptxas held to 32 registers so that two programs (2 x 1024 threads) fit an SM, as
 # torch.compile's kernel at 32768 compiles (its N a constant, 32 registers; ours took 35,
@@ -829,6 +836,10 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
         if N > limit:
             continue
         if plan == "long":
+            low, high = RMS_ONE_CHUNK_FILLED
+            if kind == "rms" and low < N <= min(high, size):  # the row one chunk: warps by the elements in it
+                block = next_power_of_2(N)
+                size, warps = block, max(1, warps * block // size // (2 if 4 * N <= 3 * block else 1))
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}

@@ -452,7 +452,7 @@ def _partial(y_raw, dy_raw, LOG: tl.constexpr):
 # Measured on the H200, bf16, M*N = 2^27 (docs/perf-notes.md, scripts/tune_softmax.py).
 # Rows plan: (row length up to, elements per program at least, warps). Past the last
 # entry a row does not fit on chip and takes the split plan.
-FORWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 8)]
+FORWARD_ROWS = [(1024, 2048, 4), (2048, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16384, 8)]
 # Backward rows of 1025-4096 go two a program at 16 warps (session 23, two runs each at 4096:
 # log_softmax 1.003 / 1.002 against one a program's 0.962 / 0.962, softmax 1.001 / 1.003
 # against 1.002 / 1.006).
@@ -472,6 +472,26 @@ BACKWARD_ROWS = [(1024, 2048, 4), (4096, 8192, 16), (8192, 8192, 16), (16384, 16
 # two runs each: forward at 12289 0.80 -> 0.78; backward softmax 769-4097 +0.003, 12289
 # 0.91 -> 0.92, 16383 0.91 -> 0.88; log_softmax 769 0.99 -> 0.96, 4097 0.99 -> 0.98, 12289
 # 0.93 -> 0.88, 16383 0.95 -> 0.945.
+# Rows of 1025-8191 that leave their tile part empty (hidden sizes no power of two: 1536,
+# 2560, 3072, 5120, 6144, ...) go one a program at 4 warps, either direction, either op: the
+# tables above were tuned on full tiles, where their many warps a row won by 0.01; on part
+# empty tiles those warps lost up to 0.2. Session 29, kernel alone, H200, bf16, softmax
+# forward table -> this at 1536 / 2560 / 3072 / 3584 / 5120 / 6144 / 7168: 0.74 / 0.80 / 0.87
+# / 0.92 / 0.80 / 0.88 / 0.93 -> 0.97 / 0.96 / 0.96 / 0.95 / 0.96 / 0.95 / 0.94 (the full
+# tiles' tables: 4096 0.95, 8192 0.955; this at 4096 / 8192 0.94); backward 0.93 / 0.87 / 0.93
+# / 0.99 / 0.88 / 0.94 / 0.99 -> 1.00 at each; log_softmax forward 2560 / 5120 / 6144 0.76 /
+# 0.80 / 0.89 -> 0.96 / 0.96 / 0.95, backward 0.94 / 0.90 / 0.96 -> 0.97 / 0.96 / 1.00.
+# Full rows of 2048 take the forward table's 4 warps a row (0.97 against two-row tiles' 0.88).
+PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
+# 16-bit rows that leave a tile of 16384 part empty (8193-16383), where the GPU has
+# clusters: forward one row a cluster of 8192-element slices (_ONE_ROW_8192 below), 0.944 at
+# 12288 against the rows plan's 0.80-0.81 at 4-32 warps (64-128 floats a thread leave few
+# rows in flight); backward one row a cluster of 4096 (BACKWARD_CLUSTER's first entry).
+# Session 29, kernel alone, bf16, rows plan -> this: forward 12288 0.81 -> 0.944, 14336 ->
+# 0.952; backward 10240 / 12288 / 14336 0.900 / 0.961 / 0.987 -> 0.994 / 0.989 / 0.995,
+# log_softmax's 0.844 / 0.879 / 0.917 -> 0.961 / 0.991 / 0.993. Measured on rows that start
+# 16-byte aligned only: rows that need the row-shift plan keep it (launch_forward).
+PART_FILLED_CLUSTER_TILE = 16384
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
 # log_softmax's backward takes 8 warps at slices of 16384 (session 25, 4 -> 8 warps: 12289
@@ -565,9 +585,12 @@ LOG_BACKWARD_SPLIT = {"plan": "split", "BLOCK": 8192, "num_warps": 4, "PROGRAMS_
 
 
 def _config(N, rows_table, split):
+    block_n = next_power_of_2(N)
+    low, high, part_filled = PART_FILLED_ROWS
+    if low < N < block_n <= high:
+        return {"plan": "rows", "BLOCK_N": block_n, **part_filled}
     for limit, tile, warps in rows_table:
         if N <= limit:
-            block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps}
     return split
 
@@ -591,6 +614,8 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     if packable and low < N <= high:
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
+    if clusters and item_size == 2 and cfg["plan"] == "rows" and N < cfg["BLOCK_N"] == PART_FILLED_CLUSTER_TILE:
+        return {"plan": "cluster", **_ONE_ROW_8192}
     if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
         block, unit = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts
         if N / (cdiv(N // unit * unit, block) * block) < FORWARD_FILL_BELOW:
@@ -601,6 +626,8 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
 def backward_config(N, log, item_size=2, clusters=False):
     cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
                           BACKWARD_CLUSTER_FP32 if item_size == 4 else BACKWARD_CLUSTER, clusters)
+    if clusters and item_size == 2 and cfg["plan"] == "rows" and N < cfg["BLOCK_N"] == PART_FILLED_CLUSTER_TILE:
+        return {"plan": "cluster", **BACKWARD_CLUSTER[0][1]}
     own_row = BACKWARD_OWN_ROW_FP32 if item_size == 4 else BACKWARD_OWN_ROW
     for limit, block, warps, per_sm in own_row if cfg["plan"] == "split" and not log else ():
         if N <= limit:
@@ -633,7 +660,7 @@ def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
     cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
-    if config is None and cfg["plan"] == "rows":
+    if config is None and (cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE):
         cfg = _row_shift_config(N, "forward", log, x, y) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
@@ -667,7 +694,7 @@ def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
     cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
-    if config is None and cfg["plan"] == "rows":
+    if config is None and (cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE):
         cfg = _row_shift_config(N, "backward", log, y, dy, dx) or cfg
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)

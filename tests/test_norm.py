@@ -493,6 +493,35 @@ def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
     check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
 
 
+def test_rms_forward_one_chunk_by_its_fill():
+    """RMSNorm's forward of 1025-8192: the row one chunk of next_power_of_2(N), the table's
+    warps scaled to that chunk and halved where the row fills at most 3/4 of it; a table
+    whose chunk is shorter than the row (the tests' long plan) keeps its chunk."""
+    def plan(N):
+        cfg = norm_module.forward_config(N, True)
+        return cfg["plan"], cfg["BLOCK"], cfg["num_warps"]
+    assert plan(1000) == ("long", 1024, 2)
+    assert plan(1536) == ("long", 2048, 2) and plan(2048) == ("long", 2048, 4)
+    assert plan(2560) == ("long", 4096, 4) and plan(3072) == ("long", 4096, 4) and plan(3584) == ("long", 4096, 8)
+    assert plan(4096) == ("long", 4096, 8)
+    assert plan(5120) == ("long", 8192, 8) and plan(6144) == ("long", 8192, 8) and plan(7168) == ("long", 8192, 16)
+    assert plan(8192) == ("long", 8192, 16) and plan(8193) == ("long", 16384, 8)
+    assert norm_module.forward_config(2560, False)["plan"] == "rows"
+    assert norm_module.forward_config(2560, True, residual=True)["plan"] == "rows"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1536, 2560, 5120])
+def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
+    """The library's plan at hidden sizes that are no power of two, forward and backward."""
+    launches = recorded_launches(monkeypatch)
+    x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
+    check("rms", x, (N,), torch.randn(N, device=device).to(dtype))
+    cfg = norm_module.forward_config(N, True)
+    assert [(kwargs["BLOCK"], kwargs["num_warps"], kwargs["ONE_CHUNK"]) for name, kwargs in launches
+            if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
+
+
 def test_long_rows_plans():
     """The launch tables at the widths where they change (measured on the H200): RMSNorm's
     short rows as one chunk of the long plan, the long forward's chunk (and RMSNorm's register

@@ -183,6 +183,64 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(262145, 4)["plan"] == "split"
 
 
+def test_rows_that_leave_their_tile_part_empty_plans():
+    """Rows of 1025-8191 that leave their power-of-two tile part empty (hidden sizes such as
+    1536, 2560, 5120) go one a program at 4 warps both ways; full tiles keep the tables (2048:
+    4 warps forward); 16-bit rows of 8193-16383 go forward one a cluster of 8192-element slices
+    where the GPU has clusters, 16384 itself and float32 keep the rows plan."""
+    part_filled = lambda block_n: {"plan": "rows", "BLOCK_N": block_n, "BLOCK_M": 1, "num_warps": 4}
+    for log in (False, True):
+        for N, block_n in ((1025, 2048), (1536, 2048), (2560, 4096), (4095, 4096), (5120, 8192), (8191, 8192)):
+            assert softmax_module.forward_config(N, log) == part_filled(block_n)
+            assert softmax_module.backward_config(N, log) == part_filled(block_n)
+        assert softmax_module.forward_config(2048, log) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 2048, "num_warps": 4}
+        assert softmax_module.forward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
+        assert softmax_module.backward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
+        assert softmax_module.forward_config(8192, log)["num_warps"] == 16
+        assert softmax_module.forward_config(1000, log)["BLOCK_M"] == 2
+        one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
+        for N in (8193, 12288, 16383):
+            assert softmax_module.forward_config(N, log, clusters=True) == one_row
+            assert softmax_module.backward_config(N, log, clusters=True) == {"plan": "cluster", "BLOCK": 4096,
+                                                                             "num_warps": 4, "PERSISTENT": False}
+            for config in (softmax_module.forward_config, softmax_module.backward_config):
+                assert config(N, log)["plan"] == config(N, log, 4, clusters=True)["plan"] == "rows"
+        assert softmax_module.forward_config(16384, log, clusters=True)["plan"] == "rows"
+        assert softmax_module.backward_config(16384, log, clusters=True)["plan"] == "rows"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1536, 2560, 6144, 10240, 12288])
+def test_rows_that_leave_their_tile_part_empty(op, dtype, N, monkeypatch, device):
+    """The default plans at hidden sizes that are no power of two (one row a program at 4
+    warps; 10240 and 12288 across a cluster where the GPU has clusters), with extremes and a
+    row of -inf."""
+    x = torch.randn(5, N, device=device) * 3
+    x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
+    x[2, 1::3] = -1e4
+    x[3, : N // 2] = -float("inf")
+    x = x.to(dtype)
+    log = op == "log_softmax"
+    clusters = cluster.available(x.device)
+    forward = softmax_module.forward_config(N, log, x.element_size(), clusters=clusters)["plan"]
+    backward = softmax_module.backward_config(N, log, x.element_size(), clusters=clusters)["plan"]
+    assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel",
+                                                                f"_backward_{backward}_kernel"]
+    x[4] = -float("inf")
+    ours_fn, torch_fn = OPS[op]
+    assert torch.isnan(ours_fn(x, -1)[4]).all() and torch.isnan(torch_fn(x, -1)[4]).all()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_odd_rows_that_leave_their_tile_part_empty_keep_the_row_shift_plan(op, monkeypatch, device):
+    """Rows of 8193-16383 that need the row-shift plan (starts no vector width divides) keep it
+    where the GPU has clusters: the cluster rule was measured on aligned rows only."""
+    x = torch.randn(3, 12289, device=device, dtype=torch.bfloat16) * 3
+    assert plans_run(monkeypatch, lambda: check_op(op, x)) == ["_forward_row_shift_kernel",
+                                                                "_backward_row_shift_kernel"]
+
+
 def forward_plans_run(monkeypatch, fn):
     """The forward kernels fn() launched, by name (plain and cluster launches)."""
     return [name for name in plans_run(monkeypatch, fn) if name.startswith("_forward")]
