@@ -656,12 +656,30 @@ def _launch_row_shift(kernel, M, N, cfg, *tensors, LOG):
            SHIFT=cfg["SHIFT"], num_warps=cfg["num_warps"])
 
 
+def planned_forward(x, y, log):
+    """The forward's plan for these tensors: forward_config's, or the row-shift plan where the
+    rows plan's lengths (and the part-filled cluster rule's, measured on aligned rows only)
+    have starts no vector width divides."""
+    N = x.shape[1]
+    cfg = forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
+    if cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE:
+        cfg = _row_shift_config(N, "forward", log, x, y) or cfg
+    return cfg
+
+
+def planned_backward(y, dy, dx, log):
+    """The backward's plan for these tensors (as planned_forward)."""
+    N = y.shape[1]
+    cfg = backward_config(N, log, y.element_size(), cluster.available(y.device))
+    if cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE:
+        cfg = _row_shift_config(N, "backward", log, y, dy, dx) or cfg
+    return cfg
+
+
 def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
-    cfg = config or forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
-    if config is None and (cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE):
-        cfg = _row_shift_config(N, "forward", log, x, y) or cfg
+    cfg = config or planned_forward(x, y, log)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
@@ -693,9 +711,7 @@ def launch_forward(x, y, log, config=None):
 def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
-    cfg = config or backward_config(N, log, y.element_size(), cluster.available(y.device))
-    if config is None and (cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE):
-        cfg = _row_shift_config(N, "backward", log, y, dy, dx) or cfg
+    cfg = config or planned_backward(y, dy, dx, log)
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
