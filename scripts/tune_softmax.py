@@ -96,7 +96,8 @@ def main():
             default = sm.planned_forward(x, y, args.log) if direction == "fwd" else \
                 sm.planned_backward(y, dy, dx, args.log)
             nbytes = (2 if direction == "fwd" else 3) * M * N * item
-            plans = [default] if args.default_only else configs(N, direction)
+            plans = configs(N, direction)
+            plans = [default] if args.default_only else plans + ([default] if default not in plans else [])
             plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]
             for cfg in plans:
                 if direction == "fwd":
