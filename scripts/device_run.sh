@@ -38,6 +38,7 @@
                                                  # cross-entropy's forward with weights and smoothing, rows
                                                  # sharing each weight chunk (31, session 26); every option (32); weights alone (33);
                                                  # the softcap forward about c, no running max (34)
+                                                 # softmax's one-row forward as words with the late wait (35, session 29)
 #   bash scripts/device_run.sh ab DIR SCRIPT [args] # A/B: a tune script (its --out set to /tmp) twice each, alternating,
 #                                                  # with PYTHONPATH=DIR (made here by `git archive REF pintail | tar -x -C DIR`;
 #                                                  # ab_dir is git-ignored: name it in the device call's carry)
@@ -93,7 +94,8 @@ case $mode in
                "exp_ce_weighted_rows.py"
                "tune_cross_entropy.py --default-only --options all --sizes 32768,50257,131072,262144 --out /tmp"
                "tune_cross_entropy.py --default-only --options weight --sizes 32768,50257,131072,262144 --out /tmp"
-               "exp_ce_softcap_fixed_shift.py")
+               "exp_ce_softcap_fixed_shift.py"
+               "exp_softmax_cluster.py --form one-row-packed-late --sizes 65536,131072")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1

@@ -282,14 +282,17 @@ cluster_ = importlib.import_module("pintail._cluster")
 
 @triton.jit
 def _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16: tl.constexpr, CLUSTER: tl.constexpr,
-                                   CLUSTER_POW2: tl.constexpr):
+                                   CLUSTER_POW2: tl.constexpr, WAIT: tl.constexpr = False):
     # softmax of this CTA's slice of row i, held as words of two 16-bit values and unpacked
-    # for each pass (`zero & bits` keeps the compiler from holding the float32 values): y's words
+    # for each pass (`zero & bits` keeps the compiler from holding the float32 values): y's words.
+    # WAIT: finish cluster_.start's barrier after the slice's sum (the library's LATE_WAIT)
     low, high = launch_.unpack_pairs(packed, BF16)
     slice_max = tl.max(tl.maximum(low, high), axis=0)
     shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)
     low, high = launch_.unpack_pairs(packed ^ (zero & slice_max.to(tl.int32, bitcast=True)), BF16)
     part = tl.sum(tl.exp2((low - shift) * LOG2E) + tl.exp2((high - shift) * LOG2E), axis=0)
+    if WAIT:
+        token = cluster_.wait(token + (part != part).to(tl.int32))
     maxes, sums, token = cluster_.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
     row_max = tl.max(maxes, axis=0)
     log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
@@ -300,29 +303,33 @@ def _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16: tl.const
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_packed_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, zero, WORDS, ROUNDS,
                                    BF16: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                                   CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr):
+                                   CLUSTER_POW2: tl.constexpr, PERSISTENT: tl.constexpr,
+                                   LATE_WAIT: tl.constexpr = False):
     # The library's cluster kernel with the slice held as words of two 16-bit values (half
     # the registers: more CTAs an SM), unpacked for each pass (two exps an element).
     # PERSISTENT (read by cluster_.launch): False gives a grid of M clusters, one round each.
-    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER)
+    # LATE_WAIT (one row a cluster): the start's wait after the slice is loaded and summed.
+    rank, first_row, clusters, token = cluster_.start(WORDS, CLUSTER, WAIT=not LATE_WAIT)
     words = rank * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters
         mask = (words < N // 2) & (row < M)
         packed = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (x_row_stride // 2) + words,
                          mask=mask, other=launch_.NEG_INF_BF16_PAIR if BF16 else launch_.NEG_INF_FP16_PAIR)
-        y, token = _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16, CLUSTER, CLUSTER_POW2)
+        y, token = _packed_softmax_across_cluster(packed, zero, WORDS, i, token, BF16, CLUSTER, CLUSTER_POW2,
+                                                  LATE_WAIT)  # one round: LATE_WAIT needs a grid of M clusters
         tl.store(y_ptr.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * (y_row_stride // 2) + words, y, mask=mask)
 
 
-def cluster_packed_forward(x, block, warps, persistent=True, maxnreg=None):
+def cluster_packed_forward(x, block, warps, persistent=True, maxnreg=None, late_wait=False):
     M, N = x.shape
     y = torch.empty_like(x)
     ctas = triton.cdiv(N, block)
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     cluster_.launch(_forward_cluster_packed_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 0, 1,
                     BF16=x.dtype == torch.bfloat16, BLOCK=block, CLUSTER=ctas,
-                    CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=persistent, num_warps=warps, **extra)
+                    CLUSTER_POW2=triton.next_power_of_2(ctas), PERSISTENT=persistent, LATE_WAIT=late_wait,
+                    num_warps=warps, **extra)
     return y
 
 
@@ -398,9 +405,10 @@ def inspect():
     sig = ik.signature(_forward_cluster_packed_kernel)
     sig["WORDS"] = sig["ROUNDS"] = sig["zero"] = "i32"
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 16), (16384, 16, 16), (4096, 4, 16)):
-        ik.inspect(_forward_cluster_packed_kernel, sig,
-                   {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster, "PERSISTENT": False},
-                   warps)
+        for late in (False, True):  # 8192 / 4 warps: 71 registers either way, 64 held without a spill
+            ik.inspect(_forward_cluster_packed_kernel, sig,
+                       {"BF16": True, "BLOCK": block, "CLUSTER": cluster, "CLUSTER_POW2": cluster, "PERSISTENT": False,
+                        "LATE_WAIT": late}, warps)
     sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "x_row_stride": "i32", "y_row_stride": "i32",
            "SLOTS": "i32", "LOG": "constexpr", "BLOCK": "constexpr", "CLUSTER": "constexpr"}
     for block, warps, cluster in ((8192, 4, 16), (8192, 8, 16), (16384, 8, 8), (16384, 16, 16), (4096, 4, 8)):
@@ -737,6 +745,15 @@ FORMS = {
                                   lambda x, b=b, w=w, r=r: cluster_packed_forward(x, b, w, False, r), False)
                                  for b, w, r in ((8192, 4, None), (8192, 4, 64), (8192, 8, None), (16384, 8, None),
                                                  (16384, 8, 64), (16384, 16, None))],
+    # session 29, prepared: session 17's words (64 registers, 8 CTAs an SM: 0.92 at 131072
+    # when the library read 0.90-0.91) with session 19's late wait (the library's +0.015 at
+    # 131072), never combined; the library's one-row kernel timed beside it (`library`)
+    "one-row-packed-late": lambda N: [(f"one-row packed {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}"
+                                       + (" late wait" if late else ""),
+                                       lambda x, b=b, w=w, r=r, late=late: cluster_packed_forward(x, b, w, False, r,
+                                                                                                  late), False)
+                                      for b, w, r in ((8192, 4, 64), (8192, 4, 72), (16384, 8, 64))
+                                      for late in (False, True)],
     # session 18: one row a cluster with the start's barrier split (arrive early, wait before
     # the first send), against the same kernel with both together
     "early-wait": lambda N: [(f"early-wait {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}{' early' if e else ''}",
