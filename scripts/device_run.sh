@@ -95,7 +95,7 @@ case $mode in
                "tune_cross_entropy.py --default-only --options all --sizes 32768,50257,131072,262144 --out /tmp"
                "tune_cross_entropy.py --default-only --options weight --sizes 32768,50257,131072,262144 --out /tmp"
                "exp_ce_softcap_fixed_shift.py"
-               "exp_softmax_cluster.py --form one-row-packed-late --sizes 65536,131072")
+               "exp_softmax_cluster.py --form one-row-packed-late --sizes 65536,131072,262144")
         picked=("$@"); [ ${#picked[@]} -eq 0 ] && picked=("${!steps[@]}")  # step numbers, or all
         for i in "${picked[@]}"; do
             timeout 250 python3 scripts/${steps[$i]} > "$OUT/step$i.log" 2>&1
