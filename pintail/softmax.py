@@ -490,7 +490,7 @@ PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
 # Session 29, kernel alone, bf16, rows plan -> this: forward 12288 0.81 -> 0.944, 14336 ->
 # 0.952; backward 10240 / 12288 / 14336 0.900 / 0.961 / 0.987 -> 0.994 / 0.989 / 0.995,
 # log_softmax's 0.844 / 0.879 / 0.917 -> 0.961 / 0.991 / 0.993. Measured on rows that start
-# 16-byte aligned only: rows that need the row-shift plan keep it (launch_forward).
+# 16-byte aligned only: rows that need the row-shift plan keep it (planned_forward).
 PART_FILLED_CLUSTER_TILE = 16384
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
