@@ -60,13 +60,13 @@ def cases(N, device, elements):
             return lambda: norm._backward(dy, None, x, w, not rms, mean, rstd, 0.0, rms, x.dtype)
         return make
 
-    def cross_entropy_fwd(weighted=False, smoothing=0.0):
+    def cross_entropy_fwd(weighted=False, smoothing=0.0, softcap=None):
         def make():
             rows = min(M, 4096)
             x, t = torch.randn(rows, N, **bf16), torch.randint(0, N, (rows,), device=device)
             w = torch.rand(N, **bf16) + 0.5 if weighted else None
-            return lambda: pintail.cross_entropy(x, t, w, label_smoothing=smoothing, check_target=False,
-                                                 reduction="none")
+            return lambda: pintail.cross_entropy(x, t, w, label_smoothing=smoothing, softcap=softcap,
+                                                 check_target=False, reduction="none")
         return make
 
     def cross_entropy_bwd():  # the class-index backward alone, from the forward's statistics
@@ -95,7 +95,10 @@ def cases(N, device, elements):
             # forward reads 0.15 below smoothing alone; its loop issues 16.6 instructions an element
             # against 11.2 (session 28): the issue rate, or the weights' loads?
             "cross_entropy_fwd_smooth": cross_entropy_fwd(smoothing=0.1),
-            "cross_entropy_fwd_weight_smooth": cross_entropy_fwd(True, 0.1)}
+            "cross_entropy_fwd_weight_smooth": cross_entropy_fwd(True, 0.1),
+            # the softcap forward (0.51-0.58 alone): three MUFU an element, yet taking one off
+            # the MUFU gained at most 0.02 (session 29): which pipe or stall holds it?
+            "cross_entropy_fwd_softcap": cross_entropy_fwd(softcap=30.0)}
 
 
 def profile(name, N):
