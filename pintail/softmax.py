@@ -604,6 +604,14 @@ def _across_cluster(N, cfg, table, clusters):
     return cfg
 
 
+def _part_filled_across_cluster(N, cfg, item_size, clusters, cluster_cfg):
+    """cluster_cfg for 16-bit rows whose rows plan leaves a tile of PART_FILLED_CLUSTER_TILE
+    part empty, where the GPU runs clusters; else cfg."""
+    if clusters and item_size == 2 and cfg["plan"] == "rows" and N < cfg["BLOCK_N"] == PART_FILLED_CLUSTER_TILE:
+        return {"plan": "cluster", **cluster_cfg}
+    return cfg
+
+
 def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     """The forward's plan for rows of N elements of item_size bytes; packable: 16-bit rows of
     even length whose rows start 4-byte aligned (the packed plan's words); clusters: the GPU
@@ -614,8 +622,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
     if packable and low < N <= high:
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
-    if clusters and item_size == 2 and cfg["plan"] == "rows" and N < cfg["BLOCK_N"] == PART_FILLED_CLUSTER_TILE:
-        return {"plan": "cluster", **_ONE_ROW_8192}
+    cfg = _part_filled_across_cluster(N, cfg, item_size, clusters, _ONE_ROW_8192)
     if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
         block, unit = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts
         if N / (cdiv(N // unit * unit, block) * block) < FORWARD_FILL_BELOW:
@@ -626,8 +633,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
 def backward_config(N, log, item_size=2, clusters=False):
     cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
                           BACKWARD_CLUSTER_FP32 if item_size == 4 else BACKWARD_CLUSTER, clusters)
-    if clusters and item_size == 2 and cfg["plan"] == "rows" and N < cfg["BLOCK_N"] == PART_FILLED_CLUSTER_TILE:
-        return {"plan": "cluster", **BACKWARD_CLUSTER[0][1]}
+    cfg = _part_filled_across_cluster(N, cfg, item_size, clusters, BACKWARD_CLUSTER[0][1])
     own_row = BACKWARD_OWN_ROW_FP32 if item_size == 4 else BACKWARD_OWN_ROW
     for limit, block, warps, per_sm in own_row if cfg["plan"] == "split" and not log else ():
         if N <= limit:
