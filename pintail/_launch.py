@@ -64,9 +64,10 @@ def in_row(cols, N, EVEN: tl.constexpr):
 
 
 def whole_tiles(M: int, N: int, cfg: dict) -> bool:
-    """A rows plan's EVEN: rows of exactly BLOCK_N and a multiple of BLOCK_M of them, so that
-    every tile is whole and its loads and stores need no mask (in_row)."""
-    return N == cfg["BLOCK_N"] and M % cfg["BLOCK_M"] == 0
+    """A rows plan's EVEN: rows of exactly BLOCK_N (+ TAIL, the norms' second tile) and a
+    multiple of BLOCK_M of them, so that every tile is whole and its loads and stores need
+    no mask (in_row)."""
+    return N == cfg["BLOCK_N"] + cfg.get("TAIL", 0) and M % cfg["BLOCK_M"] == 0
 
 
 # Compiled kernels, prepared for launch, by (kernel, device, specialisation, launch

@@ -57,49 +57,83 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
                          x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                          RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         EVEN: tl.constexpr, ALIGN: tl.constexpr, STATS: tl.constexpr):
+                         TAIL: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr, STATS: tl.constexpr):
     # A tile of BLOCK_M whole rows in registers: x read once, y written once; the variance
     # from deviations about the mean (two passes over registers, not over HBM). A program
     # per tile: a persistent grid that loaded the weight once measured 0.05 lower. EVEN
-    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row). STATS: store mean /
-    # rstd for the backward (4-byte stores a row cost LayerNorm 0.025 of copy at 1024).
+    # (N == BLOCK_N + TAIL, M a multiple of BLOCK_M): no masks (_launch.in_row). STATS: store
+    # mean / rstd for the backward (4-byte stores a row cost LayerNorm 0.025 of copy at 1024).
+    # TAIL > 0: the row is two tiles, BLOCK_N columns and TAIL more, so that a row of
+    # 5120 = 4096 + 1024 computes on 5120 lanes, not on a tile of 8192 (rows_tail).
     if ALIGN > 1:  # row length and strides multiples of ALIGN (_launch.row_alignment): vector loads
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
         residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     row_mask = in_row(rows, M, EVEN)
-    col_mask = in_row(cols, N, EVEN)
-    mask = row_mask[:, None] & col_mask[None, :]
     rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if not RMS:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
-        pilot = tl.load(x_ptr + rows * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype once, as torch's x + residual
-        x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        h = x.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows[:, None] * h_row_stride + cols[None, :], h, mask=mask)
-        x = h.to(tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    x, mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_stride, residual_row_stride,
+                          h_row_stride, HAS_RESIDUAL, EVEN)
+    if TAIL > 0:
+        tail_cols = BLOCK_N + tl.arange(0, TAIL)
+        x_tail, tail_mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, tail_cols, N, x_row_stride,
+                                        residual_row_stride, h_row_stride, HAS_RESIDUAL, EVEN)
+    mean = tl.zeros((BLOCK_M,), tl.float32)  # RMS
     if RMS:
-        centred = x
-        var = tl.sum(x * x, axis=1) * inv_n
-    else:
+        var = tl.sum(x * x, axis=1)
+        if TAIL > 0:
+            var += tl.sum(x_tail * x_tail, axis=1)
+        var *= inv_n
+    else:  # the row's first value, from L1: the pilot below (layer_norm takes no residual)
+        pilot = tl.load(x_ptr + rows * x_row_stride, mask=row_mask, other=0.0).to(tl.float32)
         squares, sums = _shifted_sums(x, pilot[:, None], mask, 1)
+        if TAIL > 0:
+            squares, sums = _add_pairs(squares, sums, *_shifted_sums(x_tail, pilot[:, None], tail_mask, 1))
         shifted_mean, var, flagged = _moments(squares, sums, inv_n)
         mean = pilot + shifted_mean
         if tl.max(flagged.to(tl.int32), axis=0) > 0:  # rare: the deviations, from the registers
             deviations, drift = _deviation_sums(x, mean[:, None], mask, 1)
+            if TAIL > 0:
+                deviations, drift = _add_pairs(deviations, drift,
+                                               *_deviation_sums(x_tail, mean[:, None], tail_mask, 1))
             exact_mean, exact_var = _corrected(mean, deviations, drift, inv_n)
             mean = tl.where(flagged, exact_mean, mean)
             var = tl.where(flagged, exact_var, var)
-        centred = x - mean[:, None]
         if STATS:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(var + eps)
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    y = centred * rstd[:, None]
+    _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
+                      RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
+    if TAIL > 0:
+        _write_rows_piece(y_ptr, w_ptr, b_ptr, x_tail, mean, rstd, rows, tail_cols, tail_mask, N, y_row_stride,
+                          weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
+
+
+@triton.jit
+def _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_stride, residual_row_stride, h_row_stride,
+                HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+    """The rows' columns `cols` of x, or of h = x + residual (rounded to its dtype once, as
+    torch's x + residual, and stored), in float32; and their mask."""
+    mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        h = x.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * h_row_stride + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    return x, mask
+
+
+@triton.jit
+def _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
+                      RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    """y = (x - mean) * rstd * (weight + weight_offset) + bias at the rows' columns `cols`
+    (RMS: mean 0)."""
+    col_mask = in_row(cols, N, EVEN)
+    y = x * rstd[:, None] if RMS else (x - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     if HAS_BIAS:
@@ -412,64 +446,139 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, M, N, inv_n, x
 def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
                           x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset,
                           RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
-                          ALIGN: tl.constexpr):
+                          HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
+                          EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # Persistent: program p takes the tiles p, p + P, ... of BLOCK_M whole rows (a fixed
     # order, so dweight / dbias come out the same on every run), writes their dx and keeps
     # dy * x^ and dy summed over its rows in registers; one partial row each at the end.
     # The next tile's x and dy are loaded before this tile is computed and stored, so that
     # a program always has reads in flight (few programs fit on an SM at these registers).
+    # TAIL > 0: the row as two tiles, BLOCK_N columns and TAIL more (as the forward's).
     if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     cols = tl.arange(0, BLOCK_N)
-    col_mask = in_row(cols, N, EVEN)  # EVEN: N == BLOCK_N, no column mask (_launch.in_row)
-    if HAS_WEIGHT:
-        w_eff = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
+    w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, EVEN)
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TAIL > 0:
+        tail_cols = BLOCK_N + tl.arange(0, TAIL)
+        w_tail = _weight_piece(w_ptr, tail_cols, N, weight_offset, HAS_WEIGHT, EVEN)
+        dw_tail = tl.zeros([BLOCK_M, TAIL], dtype=tl.float32)
+        db_tail = tl.zeros([BLOCK_M, TAIL], dtype=tl.float32)
     tiles = tl.cdiv(M, BLOCK_M)
     step = tl.num_programs(0)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    rows = rows.to(tl.int64)
-    x_next = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    dy_next = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, EVEN)
+    if TAIL > 0:
+        x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, rows, tail_cols, M, N, x_row_stride, dy_row_stride,
+                                               EVEN)
     for tile in range(tl.program_id(0), tiles, step):
         x = x_next.to(tl.float32)
         dy = dy_next.to(tl.float32)
+        if TAIL > 0:
+            x_tail = x_tail_next.to(tl.float32)
+            dy_tail = dy_tail_next.to(tl.float32)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
         rows = rows.to(tl.int64)
         following = rows + step * BLOCK_M
-        next_mask = (following < M)[:, None] & col_mask[None, :]
-        x_next = tl.load(x_ptr + following[:, None] * x_row_stride + cols[None, :], mask=next_mask, other=0.0)
-        dy_next = tl.load(dy_ptr + following[:, None] * dy_row_stride + cols[None, :], mask=next_mask, other=0.0)
+        x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, following, cols, M, N, x_row_stride, dy_row_stride, EVEN)
+        if TAIL > 0:
+            x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, following, tail_cols, M, N, x_row_stride,
+                                                   dy_row_stride, EVEN)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        mean = rstd  # RMS: not read
+        if not RMS:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+        x_hat, g = _gradient_terms(x, dy, w_eff, mean, rstd, mask, RMS, HAS_WEIGHT)
+        if TAIL > 0:
+            tail_mask = row_mask[:, None] & in_row(tail_cols, N, EVEN)[None, :]
+            x_hat_tail, g_tail = _gradient_terms(x_tail, dy_tail, w_tail, mean, rstd, tail_mask, RMS, HAS_WEIGHT)
         if RMS:
-            x_hat = x * rstd
-        else:
-            x_hat = tl.where(mask, x - tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None], 0.0) * rstd
-        g = dy * w_eff if HAS_WEIGHT else dy
-        if RMS:
-            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None]
+            sum_gx = tl.sum(g * x_hat, axis=1)
+            if TAIL > 0:
+                sum_gx += tl.sum(g_tail * x_hat_tail, axis=1)
+            sum_g = sum_gx  # not read
         elif BLOCK_N <= 4096:  # one reduction, one round of barriers: 0.87 of copy at 4096, 0.80 with two
             sum_gx, sum_g = _pair_sums(g * x_hat, g, 1)
-            dx = g - x_hat * (sum_gx * inv_n)[:, None] - (sum_g * inv_n)[:, None]
+            if TAIL > 0:
+                sum_gx, sum_g = _add_pairs(sum_gx, sum_g, *_pair_sums(g_tail * x_hat_tail, g_tail, 1))
         else:  # at 8192 (16 warps a row) two sums measured 0.76, one reduction 0.73
-            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_n)[:, None] - (tl.sum(g, axis=1) * inv_n)[:, None]
-        dx *= rstd
-        if HAS_DH:
-            dx += tl.load(dh_ptr + rows[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            sum_gx = tl.sum(g * x_hat, axis=1)
+            sum_g = tl.sum(g, axis=1)
+            if TAIL > 0:
+                sum_gx += tl.sum(g_tail * x_hat_tail, axis=1)
+                sum_g += tl.sum(g_tail, axis=1)
+        mean_gx = (sum_gx * inv_n)[:, None]
+        mean_g = (sum_g * inv_n)[:, None]
+        _write_dx(dx_ptr, dh_ptr, rows, cols, mask, g, x_hat, rstd, mean_gx, mean_g, dx_row_stride, dh_row_stride,
+                  RMS, HAS_DH)
         dw += dy * x_hat
         db += dy
-    part = tl.program_id(0).to(tl.int64) * N + cols
+        if TAIL > 0:
+            _write_dx(dx_ptr, dh_ptr, rows, tail_cols, tail_mask, g_tail, x_hat_tail, rstd, mean_gx, mean_g,
+                      dx_row_stride, dh_row_stride, RMS, HAS_DH)
+            dw_tail += dy_tail * x_hat_tail
+            db_tail += dy_tail
+    part = tl.program_id(0).to(tl.int64) * N
+    _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT, HAS_BIAS, EVEN)
+    if TAIL > 0:
+        _store_partial_rows(dw_ptr, db_ptr, part, tail_cols, dw_tail, db_tail, N, HAS_WEIGHT, HAS_BIAS, EVEN)
+
+
+@triton.jit
+def _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT: tl.constexpr, EVEN: tl.constexpr):
+    """weight + weight_offset at `cols`, in float32, as a row of a tile (0 without a weight)."""
     if HAS_WEIGHT:
-        tl.store(dw_ptr + part, tl.sum(dw, axis=0), mask=col_mask)
+        return tl.load(w_ptr + cols, mask=in_row(cols, N, EVEN), other=0.0).to(tl.float32)[None, :] + weight_offset
+    else:
+        return tl.zeros([1, cols.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, EVEN: tl.constexpr):
+    """The rows' x and dy at `cols`, as stored (0 past the tensor)."""
+    mask = (rows < M)[:, None] & in_row(cols, N, EVEN)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
+def _gradient_terms(x, dy, w_eff, mean, rstd, mask, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(x^, g = dy * w_eff) of float32 x and dy; 0 outside mask."""
+    if RMS:
+        x_hat = x * rstd
+    else:
+        x_hat = tl.where(mask, x - mean, 0.0) * rstd
+    g = dy * w_eff if HAS_WEIGHT else dy
+    return x_hat, g
+
+
+@triton.jit
+def _write_dx(dx_ptr, dh_ptr, rows, cols, mask, g, x_hat, rstd, mean_gx, mean_g, dx_row_stride, dh_row_stride,
+              RMS: tl.constexpr, HAS_DH: tl.constexpr):
+    """dx = rstd * (g - x^ mean(g x^) [- mean(g)]) (+ dh) at the rows' columns `cols`."""
+    dx = g - x_hat * mean_gx
+    if not RMS:
+        dx -= mean_g
+    dx *= rstd
+    if HAS_DH:
+        dx += tl.load(dh_ptr + rows[:, None] * dh_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + rows[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        EVEN: tl.constexpr):
+    """This program's partial rows of dweight and dbias at `cols`: its rows' sums."""
+    col_mask = in_row(cols, N, EVEN)
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + part + cols, tl.sum(dw, axis=0), mask=col_mask)
     if HAS_BIAS:
-        tl.store(db_ptr + part, tl.sum(db, axis=0), mask=col_mask)
+        tl.store(db_ptr + part + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -749,6 +858,15 @@ FORWARD_PLANS = {
 # 0.95, 3072 0.96 -> 0.96, 5120 0.83 -> 0.96, 6144 0.91 -> 0.96; 7168 keeps 16 warps (0.97,
 # 8 warps 0.96); 2048 takes 4 warps (0.97), 4096 and 8192 keep theirs (0.97).
 RMS_ONE_CHUNK_FILLED = (1024, 8192)
+# LayerNorm of 1025-16384 where rows_tail cuts the row into two tiles (hidden sizes 1536,
+# 2560, 3072, 5120, 6144, 10240, 12288): one row a program, BLOCK_N // 1024 warps (at least 2:
+# 24-48 values a thread). Its loop computed on every lane of the next_power_of_2(N) tile
+# (22 instructions a lane, ~36 a value at 5120: past the issue slots of a copy's pace).
+# Session 30, kernel alone, H200, bf16, weight and bias, the table's tile -> this: 1536 /
+# 2560 / 3072 / 5120 / 6144 / 10240 / 12288: 0.85 / 0.78 / 0.87 / 0.78 / 0.83 / 0.72 / 0.79
+# -> 0.94 / 0.93 / 0.94 / 0.93 / 0.93 / 0.92 / 0.93 (best warps: these, or 3072 at 4 +0.007);
+# two rows a program lost 0.03-0.4.
+LAYER_ROWS_TAIL = (1024, 16384)
 # RMSNorm from 24577 to 32768 with narrow rows (forward_config): the row as one chunk at 32
 # warps, ptxas held to 32 registers so that two programs (2 x 1024 threads) fit an SM, as
 # torch.compile's kernel at 32768 compiles (its N a constant, 32 registers; ours took 35,
@@ -774,6 +892,15 @@ FORWARD_CLUSTER_RMS = [(65536, 4096, 4), (131072, 8192, 4), (262144, 16384, 8)]
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
+# RMSNorm's backward of 4097-16384 without a residual's gradient where rows_tail cuts the row
+# into two tiles (5120, 6144, 10240, 12288): one row a tile, by the first tile's columns:
+# (warps, programs per SM). Session 30, kernel alone, H200, bf16, weight (tune_norm.py
+# --tails), the default -> this: 5120 / 6144 0.70 / 0.78 (8192 / 32 warps) -> 0.87 / 0.87
+# (4 warps, 2 an SM; 8-32 warps 0.69-0.75); 10240 / 12288 0.82 / 0.81 (across a cluster) ->
+# 0.835 / 0.86 (8 warps, 1 an SM). Lost at 1536 / 2560 / 3072 (0.61 / 0.75 / 0.78 against
+# 0.81 / 0.78 / 0.82), and for LayerNorm (+0.005 to +0.03 at 3072-6144, +0.07 at 10240, -0.2
+# at 12288, where 48 values a thread spill); the residual's gradient not measured.
+RMS_BACKWARD_TAIL = (4096, 16384, {4096: (4, 2), 8192: (8, 1)})
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -819,6 +946,16 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
+def rows_tail(N):
+    """(BLOCK_N, TAIL): a row of N as two tiles, next_power_of_2(N) / 2 columns and a power of
+    two more, where those hold it in fewer lanes than one tile of next_power_of_2(N) (5120 =
+    4096 + 1024, 6144 = 4096 + 2048, 12288 = 8192 + 4096); else (next_power_of_2(N), 0)."""
+    block_n = next_power_of_2(N)
+    head = block_n // 2
+    tail = next_power_of_2(N - head) if N > head else 0
+    return (head, tail) if 0 < tail < head else (block_n, 0)
+
+
 def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters=False):
     """The forward's plan for rows of N. narrow: 2-byte x, weight and y, no bias, rows and
     strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
@@ -841,6 +978,10 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
                 block = next_power_of_2(N)
                 size, warps = block, max(1, warps * block // size // (2 if 4 * N <= 3 * block else 1))
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
+        block_n, tail = rows_tail(N)
+        low, high = LAYER_ROWS_TAIL
+        if kind == "layer" and tail and low < N <= high:
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": block_n, "TAIL": tail, "num_warps": max(2, block_n // 1024)}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
     for limit, block, warps in FORWARD_CLUSTER_RMS if kind == "rms" and clusters else ():
@@ -852,6 +993,12 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
 def backward_config(N, rms, dh=False, clusters=False):
     """The backward's plan for rows of N; dh: with a residual's gradient; clusters: the GPU
     runs thread-block clusters (_cluster.available)."""
+    block_n, tail = rows_tail(N)
+    low, high, by_first_tile = RMS_BACKWARD_TAIL
+    if rms and not dh and tail and low < N <= high:
+        warps, per_sm = by_first_tile[block_n]
+        return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": block_n, "TAIL": tail, "num_warps": warps,
+                "PROGRAMS_PER_SM": per_sm}
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = next_power_of_2(N)
@@ -905,7 +1052,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "rows":
         launch(_forward_rows_kernel, (cdiv(M, cfg["BLOCK_M"]),), *args, M, N, 1.0 / N, *strides, **flags,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg), ALIGN=align, STATS=stats)
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TAIL=cfg.get("TAIL", 0), EVEN=whole_tiles(M, N, cfg),
+               ALIGN=align, STATS=stats)
     elif cfg["plan"] == "packed":
         block = min(cfg["BLOCK"], next_power_of_2(N))
         launch(_forward_packed_kernel, (M,), x, args[3], args[4], y, mean, rstd, N, 1.0 / N, x.stride(0), y.stride(0),
@@ -983,8 +1131,9 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     w = weight if weight is not None else x
     dh_or_dy = dh if dh is not None else dy
     if cfg["plan"] == "rows":
+        tail = cfg.get("TAIL", 0)
         launch(_backward_rows_kernel, (parts,), x, w, dy, dh_or_dy, mean, rstd, *outputs, M, N, 1.0 / N, *strides,
-               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block, EVEN=N == block)
+               RMS=rms, **flags, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block, TAIL=tail, EVEN=N == block + tail)
     elif cfg["plan"] == "blocks":
         slots = torch.zeros(1 + M * slices, dtype=torch.int64, device=x.device)  # next ticket, a word per slice
         launch(_backward_blocks_kernel, (min(programs, parts * slices),), x, w, dy, dh_or_dy, rstd, slots, *outputs,

@@ -489,8 +489,11 @@ PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
 # rows in flight); backward one row a cluster of 4096 (BACKWARD_CLUSTER's first entry).
 # Session 29, kernel alone, bf16, rows plan -> this: forward 12288 0.81 -> 0.944, 14336 ->
 # 0.952; backward 10240 / 12288 / 14336 0.900 / 0.961 / 0.987 -> 0.994 / 0.989 / 0.995,
-# log_softmax's 0.844 / 0.879 / 0.917 -> 0.961 / 0.991 / 0.993. Measured on rows that start
-# 16-byte aligned only: rows that need the row-shift plan keep it (planned_forward).
+# log_softmax's 0.844 / 0.879 / 0.917 -> 0.961 / 0.991 / 0.993. Rows whose starts no vector
+# width divides (session 30, 12289 / 14337, row-shift plan -> this): softmax forward 0.805 /
+# 0.847 -> 0.899 / 0.945, backward 0.910 / 0.914 -> 0.993 / 0.993; log_softmax forward
+# 0.822 / 0.868 -> ~0.87 / 0.922; log_softmax's backward keeps the row-shift plan (its 8
+# warps: 0.975 / 0.983 against the cluster's 0.964 / 0.923).
 PART_FILLED_CLUSTER_TILE = 16384
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
@@ -664,20 +667,20 @@ def _launch_row_shift(kernel, M, N, cfg, *tensors, LOG):
 
 def planned_forward(x, y, log):
     """The forward's plan for these tensors: forward_config's, or the row-shift plan where the
-    rows plan's lengths (and the part-filled cluster rule's, measured on aligned rows only)
-    have starts no vector width divides."""
+    rows plan's lengths have starts no vector width divides."""
     N = x.shape[1]
     cfg = forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
-    if cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE:
+    if cfg["plan"] == "rows":
         cfg = _row_shift_config(N, "forward", log, x, y) or cfg
     return cfg
 
 
 def planned_backward(y, dy, dx, log):
-    """The backward's plan for these tensors (as planned_forward)."""
+    """The backward's plan for these tensors (as planned_forward; log_softmax's part-filled
+    cluster rows too, PART_FILLED_CLUSTER_TILE)."""
     N = y.shape[1]
     cfg = backward_config(N, log, y.element_size(), cluster.available(y.device))
-    if cfg["plan"] == "rows" or N < PART_FILLED_CLUSTER_TILE:
+    if cfg["plan"] == "rows" or (log and N < PART_FILLED_CLUSTER_TILE):
         cfg = _row_shift_config(N, "backward", log, y, dy, dx) or cfg
     return cfg
 

@@ -27,13 +27,25 @@ def configs(direction, N, rms):
                 continue
             for warps in (1, 2, 4, 8, 16, 32):
                 per_thread = tile // (32 * warps)
-                if not 4 <= per_thread <= 64:
+                # up to 128 a thread for one row a tile that the row leaves part empty (session 30)
+                if not 4 <= per_thread <= (128 if tile == block_n > N else 64):
                     continue
                 cfg = {"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps}
                 if direction == "fwd":
                     out.append(cfg)
                 elif tile <= 8192:
                     out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
+    head, tail = norm.rows_tail(N)
+    if direction == "fwd" and N <= 32768 and tail:  # the rows plan's row as two tiles (session 30)
+        for rows in (1, 2, 4):
+            for warps in (1, 2, 4, 8, 16):
+                if 4 <= rows * (head + tail) // (32 * warps) <= 64:
+                    out.append({"plan": "rows", "BLOCK_M": rows, "BLOCK_N": head, "TAIL": tail, "num_warps": warps})
+    if direction == "bwd" and N <= 16384 and tail:
+        for warps in (4, 8, 16, 32):
+            if 2 <= (head + tail) // (32 * warps) <= 64:
+                out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
+                         "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2)]
     if direction == "fwd" and N <= 32768:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
         # (compile's RMSNorm at 32768: one 32768 chunk, 32 warps, 0.94)
         for warps in (1, 2, 4, 8, 16, 32):
@@ -101,6 +113,7 @@ def main():
     p.add_argument("--residual", action="store_true",
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
+    p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
     p.add_argument("--first-stands-out", action="store_true",
                    help="every row's first value 1000 (LayerNorm's worst case: every row flagged, norm._moments)")
     args = p.parse_args()
@@ -124,7 +137,10 @@ def main():
             dh = residual if args.residual else None  # the backward's extra read (any values do)
             # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
             nbytes = M * N * 2 * ((4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3))
-            for cfg in [default] if args.default_only else configs(direction, N, rms):
+            candidates = [default] if args.default_only else configs(direction, N, rms)
+            if args.tails:
+                candidates = [default] + [cfg for cfg in candidates if "TAIL" in cfg and cfg != default]
+            for cfg in candidates:
                 if direction == "fwd":
                     fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
                 else:

@@ -522,6 +522,67 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
             if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
 
 
+def test_layer_forward_rows_as_two_tiles_plan():
+    """LayerNorm's forward of 1025-16384: one row a program as two tiles where rows_tail cuts
+    the row so (next_power_of_2(N) / 2 columns and a power of two more), else the table's tile."""
+    assert norm_module.rows_tail(5120) == (4096, 1024) and norm_module.rows_tail(6000) == (4096, 2048)
+    assert norm_module.rows_tail(4097) == (4096, 1) and norm_module.rows_tail(7168) == (8192, 0)
+    assert norm_module.rows_tail(1) == (1, 0) and norm_module.rows_tail(3) == (2, 1)
+    tail = lambda N: norm_module.forward_config(N, False)
+    assert tail(1536) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 1024, "TAIL": 512, "num_warps": 2}
+    assert tail(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4}
+    assert tail(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8}
+    for N in (1000, 4096, 7168, 14336, 16385):  # no tail, or past the range
+        assert "TAIL" not in tail(N)
+    for N in (1536, 5120):  # RMSNorm keeps its plans
+        assert "TAIL" not in norm_module.forward_config(N, True)
+        assert "TAIL" not in norm_module.forward_config(N, True, residual=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1500, 1536, 2560, 4097])
+def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
+    """LayerNorm's forward with the row as two tiles (whole: 1536, 2560; a masked tail: 1500,
+    4097), a first value that stands out in one row (the deviations' pass over both tiles),
+    forward and backward against torch."""
+    launches = recorded_launches(monkeypatch)
+    x = torch.randn(5, N, device=device) * 2 + 0.5
+    x[2, 0] = 1000.0
+    check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
+          factor=4)
+    head, tail = norm_module.rows_tail(N)
+    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
+            if name == "_forward_rows_kernel"] == [(head, tail, N == head + tail)]
+
+
+def test_rms_backward_rows_as_two_tiles_plan():
+    """RMSNorm's backward of 4097-16384 without a residual's gradient: one row a tile as two
+    tiles where rows_tail cuts the row so; with dh, or LayerNorm, the tables'."""
+    for clusters in (False, True):
+        config = lambda N, rms=True, dh=False: norm_module.backward_config(N, rms, dh, clusters)
+        assert config(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4,
+                                "PROGRAMS_PER_SM": 2}
+        assert config(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8,
+                                 "PROGRAMS_PER_SM": 1}
+        for N in (3072, 4096, 7168, 14336, 16385):
+            assert "TAIL" not in config(N)
+        assert "TAIL" not in config(5120, dh=True) and "TAIL" not in config(5120, rms=False)
+
+
+@pytest.mark.parametrize("N, extras", [(4097, "weight"), (5120, "none"), (6000, "bias+offset")])
+def test_rms_backward_rows_as_two_tiles(N, extras, monkeypatch, device):
+    """RMSNorm's backward with the row as two tiles (whole: 5120; a masked tail: 4097, 6000)
+    against float64 torch (in the interpreter, 1-2 programs: each sums several rows)."""
+    launches = recorded_launches(monkeypatch)
+    x = torch.randn(9, N, device=device, dtype=torch.bfloat16) * 2 + 0.5
+    weight = torch.randn(N, device=device, dtype=torch.bfloat16) if extras != "none" else None
+    bias = torch.randn(N, device=device, dtype=torch.bfloat16) if extras == "bias+offset" else None
+    check("rms", x, (N,), weight, bias, weight_offset=1.0 if extras == "bias+offset" else 0.0)
+    head, tail = norm_module.rows_tail(N)
+    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
+            if name == "_backward_rows_kernel"] == [(head, tail, N == head + tail)]
+
+
 def test_long_rows_plans():
     """The launch tables at the widths where they change (measured on the H200): RMSNorm's
     short rows as one chunk of the long plan, the long forward's chunk (and RMSNorm's register
