@@ -614,11 +614,13 @@ def test_long_rows_plans():
 
 def test_backward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the backward of rows of 8193-131072 without a
-    residual's gradient goes across a cluster; the other plans stay as they were."""
+    residual's gradient goes across a cluster (but RMSNorm's rows as two tiles, 8193-12288);
+    the other plans stay as they were."""
     for rms in (True, False):
         config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
         assert config(8192)["plan"] == "rows"
-        assert config(8193)["plan"] == config(131072)["plan"] == "cluster"
+        assert config(12289)["plan"] == config(131072)["plan"] == "cluster"
+        assert config(8193)["plan"] == ("rows" if rms else "cluster")
         assert config(131073) == norm_module.backward_config(131073, rms)
         assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
     assert norm_module.backward_config(131072, True, clusters=True) == \
