@@ -13,6 +13,8 @@ Kernels, six plans by row length N (tables at the end of the kernels):
 - rows: whole rows in registers. The forward reads a tile of rows once and writes it once;
   the backward is persistent, each program walking a fixed set of row tiles, writing dx
   and keeping dweight / dbias of its rows in registers, written once as a partial row.
+  Where a row would leave its next_power_of_2(N) tile part empty, it can go as two tiles
+  (rows_tail: 5120 = 4096 + 1024), so that no lane computes past the row.
 - long: a program per row in two passes (statistics, then the output), the second pass
   re-reading the row (also RMSNorm's forward of rows of 513-16384, as one chunk); the
   backward (LayerNorm) on a grid of (row blocks x column chunks), each program keeping its

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
-#   bash scripts/device_run.sh tests-a     # api, cross_entropy, norm (~5 min)
-#   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3 min)
+#   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
+#   bash scripts/device_run.sh tests-n     # norm (~5-6 min on a cold Triton cache, session 30)
+#   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3-6.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
 #                                                  # compile's kernels at RMSNorm / LayerNorm 32768 and rotary;
@@ -60,7 +61,8 @@ pytest_cuda() {
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
 }
 case $mode in
-    tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py tests/test_norm.py ;;
+    tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
+    tests-n) pytest_cuda tests/test_norm.py ;;
     tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py tests/test_fuzz.py ;;
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
@@ -143,11 +145,11 @@ case $mode in
             "$ncu" -i /tmp/source.ncu-rep --page source --csv --print-source sass > "$OUT/source-$1-$2.csv" 2>&1
             python3 scripts/top_stalls.py "$OUT/source-$1-$2.csv" --top 25
         done ;;
-    sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans (small shapes)
+    sanitize)  # compute-sanitizer memcheck over the tests of the cross-program plans and the two-tile rows (small shapes)
         timeout 560 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest tests/test_norm.py \
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
-            -k "blocks or split or own_row or small_slices or falls_back" > "$OUT/sanitize.log" 2>&1
+            -k "blocks or split or own_row or small_slices or falls_back or two_tiles" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-b | bench [bench options] | experiments" \
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-n | tests-b | bench [bench options] | experiments" \
             "| ab DIR SCRIPT [args] | profile | profile-source | sanitize"; exit 2 ;;
 esac
