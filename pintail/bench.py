@@ -30,7 +30,8 @@ def _matrix(M, N, dtype, device):
 
 # (2, 20000): softmax's two-pass forward, the norms' long forward; (2, 40000): every op's
 # plan for rows past 32768
-CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 20000), (2, 40000)]  # 1001: rows from 16-byte boundaries
+# 1001: rows from 16-byte boundaries; 5120: a hidden size the norms' rows plans take as two tiles
+CHECK_SIZES = [(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 5120), (2, 20000), (2, 40000)]
 
 
 @dataclass
