@@ -980,10 +980,11 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
                 block = next_power_of_2(N)
                 size, warps = block, max(1, warps * block // size // (2 if 4 * N <= 3 * block else 1))
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
-        block_n, tail = rows_tail(N)
         low, high = LAYER_ROWS_TAIL
-        if kind == "layer" and tail and low < N <= high:
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": block_n, "TAIL": tail, "num_warps": max(2, block_n // 1024)}
+        if kind == "layer" and low < N <= high:  # the row as two tiles where rows_tail cuts it so
+            head, tail = rows_tail(N)
+            if tail:
+                return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": max(2, head // 1024)}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
     for limit, block, warps in FORWARD_CLUSTER_RMS if kind == "rms" and clusters else ():
@@ -995,11 +996,11 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
 def backward_config(N, rms, dh=False, clusters=False):
     """The backward's plan for rows of N; dh: with a residual's gradient; clusters: the GPU
     runs thread-block clusters (_cluster.available)."""
-    block_n, tail = rows_tail(N)
     low, high, by_first_tile = RMS_BACKWARD_TAIL
+    head, tail = rows_tail(N)
     if rms and not dh and tail and low < N <= high:
-        warps, per_sm = by_first_tile[block_n]
-        return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": block_n, "TAIL": tail, "num_warps": warps,
+        warps, per_sm = by_first_tile[head]
+        return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                 "PROGRAMS_PER_SM": per_sm}
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
