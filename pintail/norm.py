@@ -867,8 +867,11 @@ RMS_ONE_CHUNK_FILLED = (1024, 8192)
 # Session 30, kernel alone, H200, bf16, weight and bias, the table's tile -> this: 1536 /
 # 2560 / 3072 / 5120 / 6144 / 10240 / 12288: 0.85 / 0.78 / 0.87 / 0.78 / 0.83 / 0.72 / 0.79
 # -> 0.94 / 0.93 / 0.94 / 0.93 / 0.93 / 0.92 / 0.93 (best warps: these, or 3072 at 4 +0.007);
-# two rows a program lost 0.03-0.4.
-LAYER_ROWS_TAIL = (1024, 16384)
+# two rows a program lost 0.03-0.4. RMSNorm (no residual) of 9217-10240 likewise (8192 +
+# 2048 at 8 warps). Session 31, two runs: 10240 0.919 / 0.919 (the long plan's 16384 / 8) ->
+# 0.936 / 0.948 (16 warps 0.90, two rows 0.77). Not below: 8704 gained (0.848 -> 0.932) but
+# 9216 lost (0.878 -> 0.830), for a reason not found, so 8193-9216 keep the long plan.
+ROWS_TAIL = {"layer": (1024, 16384), "rms": (9216, 10240)}
 # RMSNorm from 24577 to 32768 with narrow rows (forward_config): the row as one chunk at 32
 # warps, ptxas held to 32 registers so that two programs (2 x 1024 threads) fit an SM, as
 # torch.compile's kernel at 32768 compiles (its N a constant, 32 registers; ours took 35,
@@ -971,6 +974,11 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
     low, high, packed = LAYER_PACKED
     if kind == "layer" and packable and low < N <= high:
         return packed
+    low, high = ROWS_TAIL.get(kind, (0, 0))
+    if low < N <= high:  # the row as two tiles where rows_tail cuts it so
+        head, tail = rows_tail(N)
+        if tail:
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": max(2, head // 1024)}
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
             continue
@@ -980,11 +988,6 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
                 block = next_power_of_2(N)
                 size, warps = block, max(1, warps * block // size // (2 if 4 * N <= 3 * block else 1))
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
-        low, high = LAYER_ROWS_TAIL
-        if kind == "layer" and low < N <= high:  # the row as two tiles where rows_tail cuts it so
-            head, tail = rows_tail(N)
-            if tail:
-                return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": max(2, head // 1024)}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
     for limit, block, warps in FORWARD_CLUSTER_RMS if kind == "rms" and clusters else ():

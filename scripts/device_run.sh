@@ -2,7 +2,8 @@
 # One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
-#   bash scripts/device_run.sh tests-n     # norm (~5-6 min on a cold Triton cache, session 30)
+#   bash scripts/device_run.sh tests-n     # norm without the cluster tests (the whole file took > 400 s cold, session 31)
+#   bash scripts/device_run.sh tests-nc    # norm's cluster tests
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3-6.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
@@ -62,7 +63,8 @@ pytest_cuda() {
 }
 case $mode in
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
-    tests-n) pytest_cuda tests/test_norm.py ;;
+    tests-n) pytest_cuda tests/test_norm.py -k "not cluster" ;;
+    tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
     tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py tests/test_fuzz.py ;;
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1

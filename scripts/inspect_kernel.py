@@ -59,6 +59,8 @@ def inspect(fn, signature, constexprs, num_warps):
         constexprs = {**constexprs, "EVEN": True}
     if "SHIFT" in signature and "SHIFT" not in constexprs:  # rows from their own starts (the bench's)
         constexprs = {**constexprs, "SHIFT": 0}
+    if "TAIL" in signature and "TAIL" not in constexprs:  # the norms' row as one tile
+        constexprs = {**constexprs, "TAIL": 0}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
     path = "/tmp/pintail_inspect.cubin"

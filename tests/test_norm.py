@@ -534,9 +534,13 @@ def test_layer_forward_rows_as_two_tiles_plan():
     assert tail(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8}
     for N in (1000, 4096, 7168, 14336, 16385):  # no tail, or past the range
         assert "TAIL" not in tail(N)
-    for N in (1536, 5120):  # RMSNorm keeps its plans
+    for N in (1536, 5120, 8193, 9216, 10241):  # RMSNorm keeps its plans, but at 9217-10240
         assert "TAIL" not in norm_module.forward_config(N, True)
         assert "TAIL" not in norm_module.forward_config(N, True, residual=True)
+    assert norm_module.forward_config(10240, True) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 2048,
+                                                      "num_warps": 8}
+    assert norm_module.forward_config(9217, True)["TAIL"] == 2048
+    assert "TAIL" not in norm_module.forward_config(10240, True, residual=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -550,6 +554,19 @@ def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     x[2, 0] = 1000.0
     check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
           factor=4)
+    head, tail = norm_module.rows_tail(N)
+    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
+            if name == "_forward_rows_kernel"] == [(head, tail, N == head + tail)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [9300, 10240])
+def test_rms_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
+    """RMSNorm's forward of 9217-10240 as two tiles (8192 + 2048, masked at 9300, whole at 10240),
+    forward and backward against torch."""
+    launches = recorded_launches(monkeypatch)
+    x = torch.randn(3, N, device=device) * 2 + 0.5
+    check("rms", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), None)
     head, tail = norm_module.rows_tail(N)
     assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
             if name == "_forward_rows_kernel"] == [(head, tail, N == head + tail)]
