@@ -18,9 +18,8 @@ def plan(request, monkeypatch):
     RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk, or two tiles at
     9217-10240); 'long' sends every forward to the long plan with short chunks and empties the
     rows, two-tile and cluster tables (both norms' backward take the long plan); 'split' does
-    too and sends the forward to the split
-    plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on a GPU, slices of
-    LONG_BLOCK; the interpreter cuts no row into slices)."""
+    too and sends the forward to the split plan and RMSNorm's backward to the blocks plan
+    (blocks of 3 rows; on a GPU, slices of LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
                                                            for kind in norm_module.FORWARD_PLANS})
@@ -524,6 +523,17 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
             if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
 
 
+def tiles_launched(launches, kernel):
+    """(BLOCK_N, TAIL, EVEN) of each launch of a norm rows kernel."""
+    return [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches if name == kernel]
+
+
+def two_tiles(N):
+    """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it."""
+    head, tail = norm_module.rows_tail(N)
+    return head, tail, N == head + tail
+
+
 def test_layer_forward_rows_as_two_tiles_plan():
     """LayerNorm's forward of 1025-16384: one row a program as two tiles where rows_tail cuts
     the row so (next_power_of_2(N) / 2 columns and a power of two more), else the table's tile."""
@@ -556,9 +566,7 @@ def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     x[2, 0] = 1000.0
     check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
           factor=4)
-    head, tail = norm_module.rows_tail(N)
-    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
-            if name == "_forward_rows_kernel"] == [(head, tail, N == head + tail)]
+    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -569,9 +577,7 @@ def test_rms_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     launches = recorded_launches(monkeypatch)
     x = torch.randn(3, N, device=device) * 2 + 0.5
     check("rms", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), None)
-    head, tail = norm_module.rows_tail(N)
-    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
-            if name == "_forward_rows_kernel"] == [(head, tail, N == head + tail)]
+    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N)]
 
 
 def test_rms_backward_rows_as_two_tiles_plan():
@@ -597,9 +603,7 @@ def test_rms_backward_rows_as_two_tiles(N, extras, monkeypatch, device):
     weight = torch.randn(N, device=device, dtype=torch.bfloat16) if extras != "none" else None
     bias = torch.randn(N, device=device, dtype=torch.bfloat16) if extras == "bias+offset" else None
     check("rms", x, (N,), weight, bias, weight_offset=1.0 if extras == "bias+offset" else 0.0)
-    head, tail = norm_module.rows_tail(N)
-    assert [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches
-            if name == "_backward_rows_kernel"] == [(head, tail, N == head + tail)]
+    assert tiles_launched(launches, "_backward_rows_kernel") == [two_tiles(N)]
 
 
 def test_long_rows_plans():
