@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
 # Logs and results land in $OUT (the device tool brings them back).
+#   bash scripts/device_run.sh tests       # the whole suite, where pytest-xdist's wheels came along (below)
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
 #   bash scripts/device_run.sh tests-n     # norm without the cluster tests (the whole file took > 400 s cold, session 31)
 #   bash scripts/device_run.sh tests-nc    # norm's cluster tests
@@ -52,16 +53,27 @@
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
+# The image has no pytest-xdist and reaches no package index: its wheels (pure Python) go in
+# device-wheels/ (git-ignored; here: `pip download --no-deps -d device-wheels pytest-xdist==3.8.0
+# execnet==2.1.2`), named in the device call's carry, and are imported from the zips. The
+# tests then run in 8 processes: their Triton compiles are most of a cold run's time.
+wheels=$(ls device-wheels/*.whl 2>/dev/null | tr '\n' ':')
+workers=()
+if [ -n "$wheels" ]; then
+    PYTHONPATH=$PYTHONPATH:${wheels%:}
+    workers=(-n 8 --dist worksteal)
+fi
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 mode=$1
 shift
 pytest_cuda() {
-    timeout 540 python3 -m pytest "$@" --device cuda -o addopts="" -q -rf -p no:cacheprovider -p no:warnings \
+    timeout 540 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -q -rf -p no:cacheprovider -p no:warnings \
         > "$OUT/tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
 }
 case $mode in
+    tests) pytest_cuda tests ;;
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
     tests-n) pytest_cuda tests/test_norm.py -k "not cluster" ;;
     tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
@@ -152,6 +164,6 @@ case $mode in
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back or two_tiles" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-n | tests-b | bench [bench options] | experiments" \
+    *) echo "usage: bash scripts/device_run.sh tests | tests-a | tests-n | tests-nc | tests-b | bench [bench options] | experiments" \
             "| ab DIR SCRIPT [args] | profile | profile-source | sanitize"; exit 2 ;;
 esac
