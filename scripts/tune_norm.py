@@ -78,11 +78,12 @@ def configs(direction, N, rms):
                 for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1),
                                              (2048, 8, 3), (2048, 16, 2))
                 for rows in (16, 32)]
-    if direction == "bwd" and N > 2048:
+    if direction == "bwd" and N > 1024:
         # across a thread-block cluster (2-16 CTAs a row), with and without the next row ahead
-        # (the library's past 8192; 2049-8192 for the hidden sizes' backward, session 31)
+        # (the library's past 8192; 1025-8192 for the hidden sizes' backward, sessions 31-32:
+        # 512 / 2 warps, 8 values a thread as at 1024 / 4, for 1536 / 2560 = 3 / 5 slices)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
-                for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
+                for block, warps in ((512, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
                 if 2 <= -(-N // block) <= 16
                 for ahead in (False, True)]
     if direction == "fwd" and rms and N > 32768:  # RMSNorm across persistent clusters (2-16 CTAs a row)
