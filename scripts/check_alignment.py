@@ -47,7 +47,9 @@ def main():
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name.endswith("_ptr")}
         for align in (1, 8):
             even = {"EVEN": False} if "EVEN" in signature else {}  # odd rows: masked
-            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **even, "ALIGN": align}, attrs=attrs)
+            one_tile = {"TAIL": 0} if "TAIL" in signature else {}  # the row as one tile
+            src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **even, **one_tile, "ALIGN": align},
+                            attrs=attrs)
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             path = "/tmp/pintail_alignment.cubin"
             with open(path, "wb") as f:
