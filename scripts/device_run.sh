@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call of the device tool (600 s at most): half the CUDA test suite, or the benchmark.
+# One call of the device tool (600 s at most): the CUDA test suite or a part of it, the benchmark, experiments.
 # Logs and results land in $OUT (the device tool brings them back).
 #   bash scripts/device_run.sh tests       # the whole suite, where pytest-xdist's wheels came along (below)
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
