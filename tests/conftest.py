@@ -4,6 +4,7 @@ defined), and the torch reference is made to raise, so a test passes only throug
 `--device cuda` runs the same tests compiled on a GPU."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -42,3 +43,11 @@ def forbid_reference(request, monkeypatch):
     for name, value in vars(reference).items():
         if callable(value) and getattr(value, "__module__", None) == reference.__name__:
             monkeypatch.setattr(reference, name, refuse)
+
+
+@pytest.fixture(autouse=True)
+def seeded(request):
+    """Each test draws its random inputs from a seed of its own id, so that what it draws does
+    not depend on which tests ran before it in its process: pytest-xdist hands tests to its
+    processes in a different order each run."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
