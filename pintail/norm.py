@@ -928,20 +928,25 @@ BACKWARD_BLOCKS = {"rms": {"plan": "blocks", "ROWS": 32, "BLOCK": 2048, "num_war
 # 262144 (8192 / 16 warps, 1 per SM), against 0.53 for the config above; at 65536 that one
 # stays best (0.73 against 0.71 / 0.66). (row length up to, slice, warps, programs per SM).
 BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf, 8192, 16, 1)]
-# Rows of 8193-32768 without a residual's gradient go across a thread-block cluster where the
-# GPU has clusters (_backward_cluster_kernel), by kind: (row length up to, slice, warps, AHEAD).
-# Kernel alone, H200, bf16 (tune_norm.py, session 18, the next row loaded ahead in every
-# entry): RMSNorm 0.81 / 0.82 / 0.78 / 0.81 at 12288 / 16384 / 24576 / 32768 against the
-# blocks plan's 0.63 at 16384 (without loading ahead at most 0.77 / 0.70); LayerNorm 0.74 /
-# 0.77 / 0.74 / 0.74 against the long plan's 0.56. Past 32768 (session 20, clusters of up to
-# 16): RMSNorm 0.80 / 0.76 at 65536 / 131072 with 8192 / 16 warps against the blocks plan's
-# 0.66 / 0.61; LayerNorm 0.72 at 65536 (4096 / 8 warps) and 0.67 at 131072 (8192 / 16)
-# against the long plan's 0.54. At 262144 (slices of 16384) both lose (0.55 against 0.60,
-# 0.27 against 0.53), so the blocks and long plans stay there. The residual's gradient is
+# Rows without a residual's gradient past a length by kind (RMSNorm 8192, LayerNorm 4096) go
+# across a thread-block cluster where the GPU has clusters (_backward_cluster_kernel):
+# (first length past which, [(row length up to, slice, warps, AHEAD)]). Kernel alone, H200,
+# bf16 (tune_norm.py, session 18, the next row loaded ahead in every entry): RMSNorm 0.81 /
+# 0.82 / 0.78 / 0.81 at 12288 / 16384 / 24576 / 32768 against the blocks plan's 0.63 at 16384
+# (without loading ahead at most 0.77 / 0.70); LayerNorm 0.74 / 0.77 / 0.74 / 0.74 against
+# the long plan's 0.56. Past 32768 (session 20, clusters of up to 16): RMSNorm 0.80 / 0.76 at
+# 65536 / 131072 with 8192 / 16 warps against the blocks plan's 0.66 / 0.61; LayerNorm 0.72
+# at 65536 (4096 / 8 warps) and 0.67 at 131072 (8192 / 16) against the long plan's 0.54. At
+# 262144 (slices of 16384) both lose (0.55 against 0.60, 0.27 against 0.53), so the blocks
+# and long plans stay there. LayerNorm at 4097-8192 (session 32; its rows plan holds such a
+# row in one tile of 8192 / 16 warps, 5120 filling 62 % of it): slices of 1024 / 4 warps
+# 0.751 / 0.749 / 0.761 at 5120 / 6144 / 8192 against 0.614 / 0.661 / 0.740; at 2560 / 3072
+# / 4096 the rows plan stays (0.673 / 0.734 / 0.861 against 0.663 / 0.766 / 0.779), and so
+# does RMSNorm's (its two tiles at 5120 / 6144 0.87 against 0.85). The residual's gradient is
 # not measured.
-BACKWARD_CLUSTER = {"rms": [(16384, 2048, 4, True), (131072, 8192, 16, True)],
-                    "layer": [(12288, 4096, 8, True), (16384, 8192, 16, True), (65536, 4096, 8, True),
-                              (131072, 8192, 16, True)]}
+BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, True)]),
+                    "layer": (4096, [(8192, 1024, 4, True), (12288, 4096, 8, True), (16384, 8192, 16, True),
+                                     (65536, 4096, 8, True), (131072, 8192, 16, True)])}
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -1005,14 +1010,15 @@ def backward_config(N, rms, dh=False, clusters=False):
         warps, per_sm = by_first_tile[head]
         return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                 "PROGRAMS_PER_SM": per_sm}
+    past, across = BACKWARD_CLUSTER[_kind(rms)]
+    for limit, block, warps, ahead in across if clusters and not dh and N > past else ():
+        if N <= limit:
+            return {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
             block_n = next_power_of_2(N)
             return {"plan": "rows", "BLOCK_M": max(1, tile // block_n), "BLOCK_N": block_n, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
-    for limit, block, warps, ahead in BACKWARD_CLUSTER[_kind(rms)] if clusters and not dh else ():
-        if N <= limit and N > block:  # a row of one slice is no cluster
-            return {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
     cfg = BACKWARD_BLOCKS.get(_kind(rms), BACKWARD_LONG)
     if cfg["plan"] == "blocks" and dh:
         block, warps, per_sm = next(entry[1:] for entry in BACKWARD_BLOCKS_WITH_DH if N <= entry[0])

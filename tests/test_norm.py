@@ -25,7 +25,7 @@ def plan(request, monkeypatch):
                                                            for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "ROWS_TAIL", {})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
-        monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
         monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_RMS", [])
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
@@ -636,14 +636,16 @@ def test_long_rows_plans():
 
 
 def test_backward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, the backward of rows of 8193-131072 without a
-    residual's gradient goes across a cluster (but RMSNorm's rows as two tiles, 8193-12288);
-    the other plans stay as they were."""
+    """Where the GPU has thread-block clusters, the backward of rows without a residual's
+    gradient goes across a cluster from 8193 (RMSNorm; but its rows as two tiles, 8193-12288)
+    or 4097 (LayerNorm) to 131072; the other plans stay as they were."""
     for rms in (True, False):
         config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
-        assert config(8192)["plan"] == "rows"
+        assert config(4096)["plan"] == "rows"
+        assert config(4097)["plan"] == config(8192)["plan"] == ("rows" if rms else "cluster")
         assert config(12289)["plan"] == config(131072)["plan"] == "cluster"
         assert config(8193)["plan"] == ("rows" if rms else "cluster")
+        assert config(6144, dh=True) == norm_module.backward_config(6144, rms, dh=True)
         assert config(131073) == norm_module.backward_config(131073, rms)
         assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
     assert norm_module.backward_config(131072, True, clusters=True) == \
@@ -659,6 +661,9 @@ def test_backward_plans_with_clusters():
         {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
     assert norm_module.backward_config(16384, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
+    assert norm_module.backward_config(5120, False, clusters=True) == \
+        norm_module.backward_config(8192, False, clusters=True) == \
+        {"plan": "cluster", "BLOCK": 1024, "num_warps": 4, "AHEAD": True}
 
 
 def test_forward_plans_with_clusters():
@@ -708,14 +713,14 @@ def cluster_launches(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [8193, 12289, 16384, 20001, 32768])
+@pytest.mark.parametrize("N", [4097, 5120, 7000, 8193, 12289, 16384, 20001, 32768])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_device):
-    """The cluster plan (rows of 8193-32768, 2 to 8 CTAs, the last slice masked where N is
-    not a multiple of the slice) against float64 torch, through autograd: more rows than
-    clusters fit, so each cluster's partial row of dweight / dbias adds up many rows.
-    RMSNorm's rows of 8193 take the rows plan as two tiles (8192 + 1) instead: checked the
-    same way, with many rows a program."""
+    """The cluster plan (rows of 8193-32768, LayerNorm's from 4097; 2 to 8 CTAs, the last
+    slice masked where N is not a multiple of the slice) against float64 torch, through
+    autograd: more rows than clusters fit, so each cluster's partial row of dweight / dbias
+    adds up many rows. RMSNorm's rows of 4097-8193 take the rows plan (as two tiles but at
+    7000) instead: checked the same way, with many rows a program."""
     x = torch.randn(600, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
