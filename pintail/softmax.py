@@ -47,26 +47,48 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
 
 @triton.jit
 def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, TAIL: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # One tile of BLOCK_M whole rows: read once, reduce in registers, write once. EVEN
-    # (N == BLOCK_N, M a multiple of BLOCK_M): no masks (_launch.in_row).
+    # (N == BLOCK_N + TAIL, M a multiple of BLOCK_M): no masks (_launch.in_row). TAIL > 0:
+    # the row as two tiles, BLOCK_N columns and TAIL more (norm.rows_tail), so that a row of
+    # 10240 = 8192 + 2048 computes on 10240 lanes, not on a tile of 16384.
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = in_row(rows, M, EVEN)[:, None] & in_row(cols, N, EVEN)[None, :]
+    row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask,
-                other=-float("inf")).to(tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    x, mask = _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, EVEN)
     row_max = tl.max(x, axis=1)
+    if TAIL > 0:
+        tail_cols = BLOCK_N + tl.arange(0, TAIL)
+        x_tail, tail_mask = _load_rows_piece(x_ptr, rows, row_mask, tail_cols, N, x_row_stride, EVEN)
+        row_max = tl.maximum(row_max, tl.max(x_tail, axis=1))
     e = tl.exp2((x - row_max[:, None]) * LOG2E)
     total = tl.sum(e, axis=1)
+    if TAIL > 0:
+        e_tail = tl.exp2((x_tail - row_max[:, None]) * LOG2E)
+        total += tl.sum(e_tail, axis=1)
+    _store_rows_piece(y_ptr, x, e, row_max, total, rows, cols, mask, y_row_stride, LOG)
+    if TAIL > 0:
+        _store_rows_piece(y_ptr, x_tail, e_tail, row_max, total, rows, tail_cols, tail_mask, y_row_stride, LOG)
+
+
+@triton.jit
+def _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, EVEN: tl.constexpr):
+    """x[rows, cols] in float32 (-inf past the row) and its mask."""
+    mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=-float("inf"))
+    return x.to(tl.float32), mask
+
+
+@triton.jit
+def _store_rows_piece(y_ptr, x, e, row_max, total, rows, cols, mask, y_row_stride, LOG: tl.constexpr):
     if LOG:
         y = (x - row_max[:, None]) - tl.log(total)[:, None]  # x - max first: exact, no cancellation
     else:
         y = e * (1.0 / total)[:, None]
-    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -692,7 +714,7 @@ def launch_forward(x, y, log, config=None):
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], EVEN=whole_tiles(M, N, cfg),
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TAIL=cfg.get("TAIL", 0), EVEN=whole_tiles(M, N, cfg),
                ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
     elif cfg["plan"] == "row_shift":
         _launch_row_shift(_forward_row_shift_kernel, M, N, cfg, x, y, LOG=log)

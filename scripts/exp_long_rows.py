@@ -94,7 +94,8 @@ def main():
                 if N // ctas // (32 * warps) > 64:
                     continue
                 record(f"cluster num_ctas={ctas} warps={warps}",
-                       lambda: sm._forward_rows_kernel[(M,)](x, y, M, N, N, N, LOG=False, BLOCK_M=1, BLOCK_N=N, ALIGN=1,
+                       lambda: sm._forward_rows_kernel[(M,)](x, y, M, N, N, N, LOG=False, BLOCK_M=1, BLOCK_N=N, TAIL=0,
+                                                             EVEN=True, ALIGN=1,
                                                              num_warps=warps, num_ctas=ctas))
         del x, y, ref
         torch.cuda.empty_cache()

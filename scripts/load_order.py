@@ -29,7 +29,8 @@ CASES = [
                                  "BLOCK": 16384, "ONE_CHUNK": False, "ALIGN": 1}, 16),
     (norm._backward_chunks_kernel, {"RMS": False, "HAS_WEIGHT": True, "HAS_BIAS": True, "HAS_DH": False,
                                     "ONE_CHUNK": False, "BLOCK": 4096, "ALIGN": 1}, 16),
-    (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 1, "BLOCK_N": 16384, "ALIGN": 1}, 8),
+    (softmax._forward_rows_kernel, {"LOG": False, "BLOCK_M": 1, "BLOCK_N": 16384, "TAIL": 0, "EVEN": False, "ALIGN": 1},
+     8),
 ]
 
 

@@ -14,6 +14,7 @@ import torch
 from measure import copy_bandwidth, print_best, record
 
 sm = importlib.import_module("pintail.softmax")
+norm = importlib.import_module("pintail.norm")
 
 
 def configs(N, direction):
@@ -27,6 +28,12 @@ def configs(N, direction):
                 per_thread = tile // (32 * warps)
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
+    head, tail = norm.rows_tail(N)
+    if direction == "fwd" and tail and N > 2048:
+        # the row as two tiles (10240 = 8192 + 2048: the rows kernel's TAIL, session 32),
+        # one row a program, on N lanes rather than a tile of next_power_of_2(N)
+        out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps}
+                for warps in (4, 8, 16) if 4 <= head // (32 * warps) <= 64]
     if N < 16384 and N < block_n * 0.99 and direction == "fwd":
         # rows that fill their power-of-two tile less than 0.99 (2560, 3072, 5120, 6144, 12288):
         # the two-pass forward in chunks that fill the row (the second pass reads it from L2;

@@ -123,6 +123,28 @@ def test_split_plan_with_small_slices(M, N, lag_rounds, device):
         assert_matches(dx, dx_truth, dx_truth.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, N, head, tail, block_m", [(5, 80, 64, 16, 1), (3, 70, 64, 16, 1), (4, 65, 64, 1, 1),
+                                                       (7, 96, 64, 32, 2), (2, 1280, 1024, 256, 1)])
+def test_rows_forward_as_two_tiles(dtype, M, N, head, tail, block_m, device):
+    """The rows forward with the row as two tiles (BLOCK_N columns and TAIL more, as
+    norm.rows_tail cuts 10240 = 8192 + 2048): whole (80, 96, 1280), masked (70, 65; M not a
+    multiple of BLOCK_M at 7), with large values in either tile, a -inf head and a row of -inf."""
+    x = torch.randn(M, N, device=device) * 4
+    x[0, :head] = -float("inf")     # the whole head tile -inf: the row's max from the tail
+    x[1, head:] = 1e4 if dtype != torch.float16 else 6e4
+    x[-1, ::3] = -1e4
+    if M > 3:
+        x[2] = -float("inf")         # a whole row: NaN, as torch gives
+    x = x.to(dtype)
+    config = {"plan": "rows", "BLOCK_M": block_m, "BLOCK_N": head, "TAIL": tail, "num_warps": 4}
+    for log in (False, True):
+        y = torch.empty_like(x)
+        softmax_module.launch_forward(x, y, log, config)
+        torch_fn = torch.log_softmax if log else torch.softmax
+        assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
+
+
 @pytest.mark.parametrize("M, N", [(1, 1), (5, 63), (4, 64), (3, 65), (6, 1000)])
 def test_two_pass_forward_with_small_chunks(M, N, device):
     """The two-pass forward at a chunk size small enough that rows cut into many chunks;
