@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One call of the device tool (600 s at most): the CUDA test suite or a part of it, the benchmark, experiments.
 # Logs and results land in $OUT (the device tool brings them back).
-#   bash scripts/device_run.sh tests       # the whole suite, where pytest-xdist's wheels came along (below)
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
 #   bash scripts/device_run.sh tests-n     # norm without the cluster tests (the whole file took > 400 s cold, session 31)
 #   bash scripts/device_run.sh tests-nc    # norm's cluster tests
@@ -56,7 +55,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 # The image has no pytest-xdist and reaches no package index: its wheels (pure Python) go in
 # device-wheels/ (git-ignored; here: `pip download --no-deps -d device-wheels pytest-xdist==3.8.0
 # execnet==2.1.2`), named in the device call's carry, and are imported from the zips. The
-# tests then run in 8 processes: their Triton compiles are most of a cold run's time.
+# tests then run in 8 processes: their Triton compiles are most of a cold run's time. The whole
+# suite so ran past 540 s (session 33: 98 % done; norm's cluster tests at 32768 take 16-25 s each,
+# and workers compile the same kernels at once), hence a call a part; each part's log its own.
 wheels=$(ls device-wheels/*.whl 2>/dev/null | tr '\n' ':')
 workers=()
 if [ -n "$wheels" ]; then
@@ -69,11 +70,10 @@ mode=$1
 shift
 pytest_cuda() {
     timeout 540 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -q -rf -p no:cacheprovider -p no:warnings \
-        > "$OUT/tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -20
+        > "$OUT/$mode.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$mode.log" | tail -20
 }
 case $mode in
-    tests) pytest_cuda tests ;;
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
     tests-n) pytest_cuda tests/test_norm.py -k "not cluster" ;;
     tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
