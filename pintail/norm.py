@@ -940,7 +940,9 @@ BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf,
 # 262144 (slices of 16384) both lose (0.55 against 0.60, 0.27 against 0.53), so the blocks
 # and long plans stay there. LayerNorm at 4097-8192 (session 32; its rows plan holds such a
 # row in one tile of 8192 / 16 warps, 5120 filling 62 % of it): slices of 1024 / 4 warps
-# 0.751 / 0.749 / 0.761 at 5120 / 6144 / 8192 against 0.614 / 0.661 / 0.740; at 2560 / 3072
+# 0.751 / 0.749 / 0.761 at 5120 / 6144 / 8192 against 0.614 / 0.661 / 0.740 (session 33 A/B,
+# two runs a side: 0.59 / 0.62 / 0.66 / 0.70 / 0.74 -> 0.70 / 0.75 / 0.75 / 0.76 / 0.76 at
+# 4608 / 5120 / 6144 / 7168 / 8192); at 2560 / 3072
 # / 4096 the rows plan stays (0.673 / 0.734 / 0.861 against 0.663 / 0.766 / 0.779), and so
 # does RMSNorm's (its two tiles at 5120 / 6144 0.87 against 0.85). The residual's gradient is
 # not measured.
