@@ -63,8 +63,19 @@ def in_row(cols, N, EVEN: tl.constexpr):
         return cols < N
 
 
+def rows_tail(N: int) -> tuple:
+    """(BLOCK_N, TAIL) of a rows kernel that takes the row as two tiles (the norms', softmax's
+    forward): next_power_of_2(N) / 2 columns and a power of two more, where those hold it in
+    fewer lanes than one tile of next_power_of_2(N) (5120 = 4096 + 1024, 6144 = 4096 + 2048,
+    12288 = 8192 + 4096); else (next_power_of_2(N), 0)."""
+    block_n = next_power_of_2(N)
+    head = block_n // 2
+    tail = next_power_of_2(N - head) if N > head else 0
+    return (head, tail) if 0 < tail < head else (block_n, 0)
+
+
 def whole_tiles(M: int, N: int, cfg: dict) -> bool:
-    """A rows plan's EVEN: rows of exactly BLOCK_N (+ TAIL, the norms' second tile) and a
+    """A rows plan's EVEN: rows of exactly BLOCK_N (+ TAIL, the second tile: rows_tail) and a
     multiple of BLOCK_M of them, so that every tile is whole and its loads and stores need
     no mask (in_row)."""
     return N == cfg["BLOCK_N"] + cfg.get("TAIL", 0) and M % cfg["BLOCK_M"] == 0

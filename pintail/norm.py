@@ -47,8 +47,8 @@ import triton.language as tl
 
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
-                      pack_pairs, packs_into_words, program_slots, row_alignment, runs_kernels, unit_stride,
-                      unpack_pairs, whole_tiles)
+                      pack_pairs, packs_into_words, program_slots, row_alignment, rows_tail, runs_kernels,
+                      unit_stride, unpack_pairs, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -956,16 +956,6 @@ SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGR
 
 def _kind(rms):
     return "rms" if rms else "layer"
-
-
-def rows_tail(N):
-    """(BLOCK_N, TAIL): a row of N as two tiles, next_power_of_2(N) / 2 columns and a power of
-    two more, where those hold it in fewer lanes than one tile of next_power_of_2(N) (5120 =
-    4096 + 1024, 6144 = 4096 + 2048, 12288 = 8192 + 4096); else (next_power_of_2(N), 0)."""
-    block_n = next_power_of_2(N)
-    head = block_n // 2
-    tail = next_power_of_2(N - head) if N > head else 0
-    return (head, tail) if 0 < tail < head else (block_n, 0)
 
 
 def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters=False):

@@ -50,7 +50,7 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl
                          BLOCK_N: tl.constexpr, TAIL: tl.constexpr, EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # One tile of BLOCK_M whole rows: read once, reduce in registers, write once. EVEN
     # (N == BLOCK_N + TAIL, M a multiple of BLOCK_M): no masks (_launch.in_row). TAIL > 0:
-    # the row as two tiles, BLOCK_N columns and TAIL more (norm.rows_tail), so that a row of
+    # the row as two tiles, BLOCK_N columns and TAIL more (_launch.rows_tail), so that a row of
     # 10240 = 8192 + 2048 computes on 10240 lanes, not on a tile of 16384.
     if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (_launch.row_alignment)
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)

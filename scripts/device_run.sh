@@ -164,6 +164,6 @@ case $mode in
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back or two_tiles" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests | tests-a | tests-n | tests-nc | tests-b | bench [bench options] | experiments" \
+    *) echo "usage: bash scripts/device_run.sh tests-a | tests-n | tests-nc | tests-b | bench [bench options] | experiments" \
             "| ab DIR SCRIPT [args] | profile | profile-source | sanitize"; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ import torch
 from measure import copy_bandwidth, print_best, record
 
 sm = importlib.import_module("pintail.softmax")
-norm = importlib.import_module("pintail.norm")
+launch = importlib.import_module("pintail._launch")
 
 
 def configs(N, direction):
@@ -28,7 +28,7 @@ def configs(N, direction):
                 per_thread = tile // (32 * warps)
                 if 4 <= per_thread <= 128:
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
-    head, tail = norm.rows_tail(N)
+    head, tail = launch.rows_tail(N)
     if direction == "fwd" and tail and N > 2048:
         # the row as two tiles (10240 = 8192 + 2048: the rows kernel's TAIL, session 32),
         # one row a program, on N lanes rather than a tile of next_power_of_2(N)

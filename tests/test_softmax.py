@@ -128,7 +128,7 @@ def test_split_plan_with_small_slices(M, N, lag_rounds, device):
                                                        (7, 96, 64, 32, 2), (2, 1280, 1024, 256, 1)])
 def test_rows_forward_as_two_tiles(dtype, M, N, head, tail, block_m, device):
     """The rows forward with the row as two tiles (BLOCK_N columns and TAIL more, as
-    norm.rows_tail cuts 10240 = 8192 + 2048): whole (80, 96, 1280), masked (70, 65; M not a
+    _launch.rows_tail cuts 10240 = 8192 + 2048): whole (80, 96, 1280), masked (70, 65; M not a
     multiple of BLOCK_M at 7), with large values in either tile, a -inf head and a row of -inf."""
     x = torch.randn(M, N, device=device) * 4
     x[0, :head] = -float("inf")     # the whole head tile -inf: the row's max from the tail
