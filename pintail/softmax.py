@@ -36,7 +36,7 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
                       empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
-                      packs_into_words, row_alignment, runs_kernels, unpack_pairs, whole_tiles)
+                      packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, whole_tiles)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -517,6 +517,17 @@ PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
 # 0.822 / 0.868 -> ~0.87 / 0.922; log_softmax's backward keeps the row-shift plan (its 8
 # warps: 0.975 / 0.983 against the cluster's 0.964 / 0.923).
 PART_FILLED_CLUSTER_TILE = 16384
+# 16-bit rows of 8193-10240 that are whole 16-byte vectors (length, strides, starts) go
+# forward as two tiles (_launch.rows_tail: 10240 = 8192 + 2048) one a program at 4 warps,
+# where the cluster of 8192-element slices above leaves its second CTA mostly idle. Session
+# 33, kernel alone, bf16, 10240, cluster -> two tiles: softmax 0.871 -> 0.933, log_softmax
+# 0.825 -> 0.923 (8 warps 0.84 / 0.83: 58 registers and 11 barriers a row keep fewer bytes in
+# flight). Rows whose starts no vector width divides keep the cluster's SHIFT.
+FORWARD_TWO_TILES = (8192, 10240, {"plan": "rows", "BLOCK_M": 1, "num_warps": 4})
+# log_softmax's 16-bit rows of 10241-12288 forward across a cluster of 4096-element slices
+# (three fill 12288; two of 8192 fill it 0.75): session 33, 12288, 0.894 -> 0.934 (softmax
+# 0.925 -> 0.931, kept on 8192).
+LOG_FORWARD_CLUSTER_4096 = (10240, 12288, {"BLOCK": 4096, "num_warps": 4, "PERSISTENT": False})
 ROWS_SHIFT_PAST = 512
 FORWARD_ROW_SHIFT = [(2048, 1), (4096, 2), (8192, 4), (16384, 8)]
 # log_softmax's backward takes 8 warps at slices of 16384 (session 25, 4 -> 8 warps: 12289
@@ -637,17 +648,24 @@ def _part_filled_across_cluster(N, cfg, item_size, clusters, cluster_cfg):
     return cfg
 
 
-def forward_config(N, log=False, item_size=2, packable=False, clusters=False):
+def forward_config(N, log=False, item_size=2, packable=False, clusters=False, vectors=False):
     """The forward's plan for rows of N elements of item_size bytes; packable: 16-bit rows of
     even length whose rows start 4-byte aligned (the packed plan's words); clusters: the GPU
-    runs thread-block clusters (_cluster.available)."""
+    runs thread-block clusters (_cluster.available); vectors: the rows are whole 16-byte
+    vectors (_whole_vectors)."""
+    low, high, two_tiles = FORWARD_TWO_TILES
+    if vectors and item_size == 2 and low < N <= high:
+        head, tail = rows_tail(N)
+        return {**two_tiles, "BLOCK_N": head, "TAIL": tail}
     low, high, packed = FORWARD_PACKED
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)
     if packable and low < N <= high:
         cfg = packed
     cfg = _across_cluster(N, cfg, FORWARD_CLUSTER_FP32 if item_size == 4 else FORWARD_CLUSTER, clusters)
-    cfg = _part_filled_across_cluster(N, cfg, item_size, clusters, _ONE_ROW_8192)
+    low, high, log_slices_4096 = LOG_FORWARD_CLUSTER_4096
+    cfg = _part_filled_across_cluster(N, cfg, item_size, clusters,
+                                      log_slices_4096 if log and low < N <= high else _ONE_ROW_8192)
     if cfg["plan"] == "cluster" and cfg["PERSISTENT"] and item_size == 2 and not log:
         block, unit = cfg["BLOCK"], 16 // item_size  # the slices `cluster.window` cuts
         if N / (cdiv(N // unit * unit, block) * block) < FORWARD_FILL_BELOW:
@@ -691,10 +709,18 @@ def planned_forward(x, y, log):
     """The forward's plan for these tensors: forward_config's, or the row-shift plan where the
     rows plan's lengths have starts no vector width divides."""
     N = x.shape[1]
-    cfg = forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device))
+    cfg = forward_config(N, log, x.element_size(), packs_into_words(N, (x, y)), cluster.available(x.device),
+                         _whole_vectors(N, x, y))
     if cfg["plan"] == "rows":
         cfg = _row_shift_config(N, "forward", log, x, y) or cfg
     return cfg
+
+
+def _whole_vectors(N, *rows):
+    """Whether rows of N elements of `rows` are whole 16-byte vectors: N and every row stride
+    a multiple of the vector, every tensor starting on one."""
+    vec = 16 // rows[0].element_size()
+    return N % vec == 0 and all(t.stride(0) % vec == 0 and t.data_ptr() % 16 == 0 for t in rows)
 
 
 def planned_backward(y, dy, dx, log):

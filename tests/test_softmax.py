@@ -221,7 +221,7 @@ def test_rows_that_leave_their_tile_part_empty_plans():
         assert softmax_module.forward_config(8192, log)["num_warps"] == 16
         assert softmax_module.forward_config(1000, log)["BLOCK_M"] == 2
         one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
-        for N in (8193, 12288, 16383):
+        for N in (8193, 16383):
             assert softmax_module.forward_config(N, log, clusters=True) == one_row
             assert softmax_module.backward_config(N, log, clusters=True) == {"plan": "cluster", "BLOCK": 4096,
                                                                              "num_warps": 4, "PERSISTENT": False}
@@ -229,24 +229,40 @@ def test_rows_that_leave_their_tile_part_empty_plans():
                 assert config(N, log)["plan"] == config(N, log, 4, clusters=True)["plan"] == "rows"
         assert softmax_module.forward_config(16384, log, clusters=True)["plan"] == "rows"
         assert softmax_module.backward_config(16384, log, clusters=True)["plan"] == "rows"
+        # whole 16-byte vectors of 8193-10240: two tiles (8192 and a power of two more) at 4
+        # warps, clusters or not; float32 and 10241+ as before
+        for N, tail in ((8200, 8), (9216, 1024), (9224, 2048), (10240, 2048)):
+            for clusters in (False, True):
+                assert softmax_module.forward_config(N, log, 2, clusters=clusters, vectors=True) == {
+                    "plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": tail, "num_warps": 4}
+            assert softmax_module.forward_config(N, log, 4, clusters=True, vectors=True)["plan"] == "rows"
+            assert "TAIL" not in softmax_module.forward_config(N, log, 4, clusters=True, vectors=True)
+        # past 10240 across a cluster, log_softmax's 10241-12288 in slices of 4096
+        slices_4096 = {"plan": "cluster", "BLOCK": 4096, "num_warps": 4, "PERSISTENT": False}
+        for N in (10248, 12288, 12289):
+            assert softmax_module.forward_config(N, log, clusters=True, vectors=N % 8 == 0) == (
+                slices_4096 if log and N <= 12288 else one_row)
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [1536, 2560, 6144, 10240, 12288])
+@pytest.mark.parametrize("N", [1536, 2560, 6144, 8200, 9216, 9224, 10001, 10240, 12288])
 def test_rows_that_leave_their_tile_part_empty(op, dtype, N, monkeypatch, device):
     """The default plans at hidden sizes that are no power of two (one row a program at 4
-    warps; 10240 and 12288 across a cluster where the GPU has clusters), with extremes and a
-    row of -inf."""
+    warps; 16-bit 8200-10240 as two tiles, a masked tail at 8200 and 9224; 10001 and 12288
+    across a cluster where the GPU has clusters), with extremes and a row of -inf."""
     x = torch.randn(5, N, device=device) * 3
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
     x[2, 1::3] = -1e4
     x[3, : N // 2] = -float("inf")
+    x[0, 8192:] = 50.0  # the row's max and most of its sum in the second tile
     x = x.to(dtype)
     log = op == "log_softmax"
-    clusters = cluster.available(x.device)
-    forward = softmax_module.forward_config(N, log, x.element_size(), clusters=clusters)["plan"]
-    backward = softmax_module.backward_config(N, log, x.element_size(), clusters=clusters)["plan"]
+    planned = softmax_module.planned_forward(x, torch.empty_like(x), log)
+    forward, backward = planned["plan"], softmax_module.planned_backward(x, x, x, log)["plan"]
+    if dtype != torch.float32 and 8192 < N <= 10240:
+        assert forward == ("rows" if N % 8 == 0 else "cluster" if cluster.available(x.device) else "row_shift")
+        assert planned.get("TAIL", 0) == (triton.next_power_of_2(N - 8192) if N % 8 == 0 else 0)
     assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel",
                                                                 f"_backward_{backward}_kernel"]
     x[4] = -float("inf")
@@ -265,6 +281,18 @@ def test_odd_rows_that_leave_their_tile_part_empty(op, monkeypatch, device):
     backward = "cluster" if across and op == "softmax" else "row_shift"
     assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel",
                                                                 f"_backward_{backward}_kernel"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_rows_of_whole_vectors_at_strides_that_are_not(op, monkeypatch, device):
+    """16-bit rows of 10240 (whole 16-byte vectors) a row stride of 10244 apart: not the two
+    tiles, planned for 16-byte loads; the plan before them (across a cluster, else one tile of
+    16384)."""
+    x = (torch.randn(4, 10244, device=device) * 3).to(torch.bfloat16)[:, :10240]
+    x[1, 9000:] = 40.0
+    planned = softmax_module.planned_forward(x, torch.empty(4, 10240, device=device, dtype=x.dtype), op == "log_softmax")
+    assert "TAIL" not in planned and planned["plan"] == ("cluster" if cluster.available(x.device) else "rows")
+    assert forward_plans_run(monkeypatch, lambda: check_op(op, x))[0] == f"_forward_{planned['plan']}_kernel"
 
 
 def forward_plans_run(monkeypatch, fn):
