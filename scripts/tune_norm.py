@@ -42,12 +42,14 @@ def configs(direction, N, rms):
         for rows in (1, 2, 4):
             for warps in (1, 2, 4, 8, 16):
                 if 4 <= rows * (head + tail) // (32 * warps) <= (96 if rows == 1 else 64):
-                    out.append({"plan": "rows", "BLOCK_M": rows, "BLOCK_N": head, "TAIL": tail, "num_warps": warps})
+                    # and a tail of 16 bytes a thread, masked, where the row's holds less
+                    out += [{"plan": "rows", "BLOCK_M": rows, "BLOCK_N": head, "TAIL": t, "num_warps": warps}
+                            for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
     if direction == "bwd" and N <= 16384 and tail:
         for warps in (4, 8, 16, 32):
             if 2 <= (head + tail) // (32 * warps) <= 64:
-                out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
-                         "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2)]
+                out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps,
+                         "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2) for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
     if direction == "fwd" and N <= 32768:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
         # (compile's RMSNorm at 32768: one 32768 chunk, 32 warps, 0.94)
         for warps in (1, 2, 4, 8, 16, 32):

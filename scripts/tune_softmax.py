@@ -32,8 +32,12 @@ def configs(N, direction):
     if direction == "fwd" and tail and N > 2048:
         # the row as two tiles (10240 = 8192 + 2048: the rows kernel's TAIL, session 32),
         # one row a program, on N lanes rather than a tile of next_power_of_2(N)
-        out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps}
-                for warps in (4, 8, 16) if 4 <= head // (32 * warps) <= 64]
+        # at 2-16 warps; where the tail holds under 16 bytes a thread (8704 = 8192 + 512 at 4
+        # warps: 8-byte loads, 27 barriers on sm_90) also as a tail of 16 bytes a thread, masked
+        for warps in (2, 4, 8, 16):
+            if 4 <= head // (32 * warps) <= 128:
+                out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps}
+                        for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
     if N < 16384 and N < block_n * 0.99 and direction == "fwd":
         # rows that fill their power-of-two tile less than 0.99 (2560, 3072, 5120, 6144, 12288):
         # the two-pass forward in chunks that fill the row (the second pass reads it from L2;
