@@ -48,7 +48,7 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
                       pack_pairs, packs_into_words, program_slots, row_alignment, rows_tail, runs_kernels,
-                      unit_stride, unpack_pairs, whole_tiles)
+                      tail_for_warps, unit_stride, unpack_pairs, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -74,8 +74,9 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
+    # with a tail the head's columns are all in the row (rows_tail): no column mask there
     x, mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_stride, residual_row_stride,
-                          h_row_stride, HAS_RESIDUAL, EVEN)
+                          h_row_stride, HAS_RESIDUAL, EVEN or TAIL > 0)
     if TAIL > 0:
         tail_cols = BLOCK_N + tl.arange(0, TAIL)
         x_tail, tail_mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, tail_cols, N, x_row_stride,
@@ -107,7 +108,7 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
-                      RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
+                      RMS, HAS_WEIGHT, HAS_BIAS, EVEN or TAIL > 0)
     if TAIL > 0:
         _write_rows_piece(y_ptr, w_ptr, b_ptr, x_tail, mean, rstd, rows, tail_cols, tail_mask, N, y_row_stride,
                           weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
@@ -115,10 +116,10 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
 
 @triton.jit
 def _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_stride, residual_row_stride, h_row_stride,
-                HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+                HAS_RESIDUAL: tl.constexpr, WHOLE: tl.constexpr):
     """The rows' columns `cols` of x, or of h = x + residual (rounded to its dtype once, as
-    torch's x + residual, and stored), in float32; and their mask."""
-    mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+    torch's x + residual, and stored), in float32; and their mask. WHOLE: cols all in the row."""
+    mask = row_mask[:, None] & in_row(cols, N, WHOLE)[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + rows[:, None] * residual_row_stride + cols[None, :], mask=mask,
@@ -131,10 +132,10 @@ def _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_strid
 
 @triton.jit
 def _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
-                      RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+                      RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WHOLE: tl.constexpr):
     """y = (x - mean) * rstd * (weight + weight_offset) + bias at the rows' columns `cols`
-    (RMS: mean 0)."""
-    col_mask = in_row(cols, N, EVEN)
+    (RMS: mean 0; WHOLE: cols all in the row)."""
+    col_mask = in_row(cols, N, WHOLE)
     y = x * rstd[:, None] if RMS else (x - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
@@ -867,11 +868,14 @@ RMS_ONE_CHUNK_FILLED = (1024, 8192)
 # Session 30, kernel alone, H200, bf16, weight and bias, the table's tile -> this: 1536 /
 # 2560 / 3072 / 5120 / 6144 / 10240 / 12288: 0.85 / 0.78 / 0.87 / 0.78 / 0.83 / 0.72 / 0.79
 # -> 0.94 / 0.93 / 0.94 / 0.93 / 0.93 / 0.92 / 0.93 (best warps: these, or 3072 at 4 +0.007);
-# two rows a program lost 0.03-0.4. RMSNorm (no residual) of 9217-10240 likewise (8192 +
+# two rows a program lost 0.03-0.4. RMSNorm (no residual) of 8193-10240 likewise (8192 +
 # 2048 at 8 warps). Session 31, two runs: 10240 0.919 / 0.919 (the long plan's 16384 / 8) ->
-# 0.936 / 0.948 (16 warps 0.90, two rows 0.77). Not below: 8704 gained (0.848 -> 0.932) but
-# 9216 lost (0.878 -> 0.830), for a reason not found, so 8193-9216 keep the long plan.
-ROWS_TAIL = {"layer": (1024, 16384), "rms": (9216, 10240)}
+# 0.936 / 0.948 (16 warps 0.90, two rows 0.77). The tail takes at least 16 bytes a thread
+# (_launch.tail_for_warps) and the head no column mask: session 34, kernel alone, the plan
+# before -> this: LayerNorm 4352 / 4608 / 8704 / 9216 0.67 / 0.60 / 0.62 / 0.50 -> 0.91 / 0.93
+# / 0.85 / 0.875 (9728 0.90 either way); RMSNorm 8704 / 9216 0.853 / 0.880 (long plan) ->
+# 0.937 / 0.936 (session 31's 9216 loss was the 1024 tail at 8 warps: 8-byte loads).
+ROWS_TAIL = {"layer": (1024, 16384), "rms": (8192, 10240)}
 # RMSNorm from 24577 to 32768 with narrow rows (forward_config): the row as one chunk at 32
 # warps, ptxas held to 32 registers so that two programs (2 x 1024 threads) fit an SM, as
 # torch.compile's kernel at 32768 compiles (its N a constant, 32 registers; ours took 35,
@@ -975,7 +979,8 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
     if low < N <= high:  # the row as two tiles where rows_tail cuts it so
         head, tail = rows_tail(N)
         if tail:
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": max(2, head // 1024)}
+            warps = max(2, head // 1024)
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail_for_warps(tail, warps), "num_warps": warps}
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
             continue

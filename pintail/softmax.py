@@ -36,7 +36,8 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
                       empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
-                      packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, whole_tiles)
+                      packs_into_words, row_alignment, rows_tail, runs_kernels, tail_for_warps, unpack_pairs,
+                      whole_tiles)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -58,7 +59,7 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl
     row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    x, mask = _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, EVEN)
+    x, mask = _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, EVEN or TAIL > 0)
     row_max = tl.max(x, axis=1)
     if TAIL > 0:
         tail_cols = BLOCK_N + tl.arange(0, TAIL)
@@ -75,9 +76,9 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl
 
 
 @triton.jit
-def _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, EVEN: tl.constexpr):
-    """x[rows, cols] in float32 (-inf past the row) and its mask."""
-    mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+def _load_rows_piece(x_ptr, rows, row_mask, cols, N, x_row_stride, WHOLE: tl.constexpr):
+    """x[rows, cols] in float32 (-inf past the row) and its mask; WHOLE: cols all in the row."""
+    mask = row_mask[:, None] & in_row(cols, N, WHOLE)[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=-float("inf"))
     return x.to(tl.float32), mask
 
@@ -519,10 +520,15 @@ PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
 PART_FILLED_CLUSTER_TILE = 16384
 # 16-bit rows of 8193-10240 that are whole 16-byte vectors (length, strides, starts) go
 # forward as two tiles (_launch.rows_tail: 10240 = 8192 + 2048) one a program at 4 warps,
-# where the cluster of 8192-element slices above leaves its second CTA mostly idle. Session
-# 33, kernel alone, bf16, 10240, cluster -> two tiles: softmax 0.871 -> 0.933, log_softmax
-# 0.825 -> 0.923 (8 warps 0.84 / 0.83: 58 registers and 11 barriers a row keep fewer bytes in
-# flight). Rows whose starts no vector width divides keep the cluster's SHIFT.
+# the tail at least 1024 (_launch.tail_for_warps), where the cluster of 8192-element slices
+# above leaves its second CTA mostly idle. Session 33, kernel alone, bf16, 10240, cluster ->
+# two tiles: softmax 0.871 -> 0.933, log_softmax 0.825 -> 0.923 (8 warps 0.84 / 0.83: 58
+# registers and 11 barriers a row keep fewer bytes in flight). Session 34, softmax /
+# log_softmax, cluster -> this: 8704 0.80 / 0.74 -> 0.87 / 0.87 (the tail as 512: 0.83 /
+# 0.84), 9216 0.82 / 0.77 -> 0.89 / 0.88, 9224 0.78 / 0.72 -> 0.86 / 0.79 (a masked tail;
+# 0.76 while the head was masked too: 107 registers, 4 programs an SM where 96 fit 5), 9728
+# -> 0.89 / 0.88 (cluster 0.85 / 0.80). Rows whose starts no vector width divides keep the
+# cluster's SHIFT.
 FORWARD_TWO_TILES = (8192, 10240, {"plan": "rows", "BLOCK_M": 1, "num_warps": 4})
 # log_softmax's 16-bit rows of 10241-12288 forward across a cluster of 4096-element slices
 # (three fill 12288; two of 8192 fill it 0.75): session 33, 12288, 0.894 -> 0.934 (softmax
@@ -656,7 +662,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False, ve
     low, high, two_tiles = FORWARD_TWO_TILES
     if vectors and item_size == 2 and low < N <= high:
         head, tail = rows_tail(N)
-        return {**two_tiles, "BLOCK_N": head, "TAIL": tail}
+        return {**two_tiles, "BLOCK_N": head, "TAIL": tail_for_warps(tail, two_tiles["num_warps"])}
     low, high, packed = FORWARD_PACKED
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)

@@ -528,9 +528,11 @@ def tiles_launched(launches, kernel):
     return [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches if name == kernel]
 
 
-def two_tiles(N):
-    """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it."""
+def two_tiles(N, warps=0):
+    """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it, the tail at least 16 bytes of
+    16-bit values a thread of `warps` (the forward's)."""
     head, tail = norm_module.rows_tail(N)
+    tail = max(tail, 256 * warps)
     return head, tail, N == head + tail
 
 
@@ -544,40 +546,43 @@ def test_layer_forward_rows_as_two_tiles_plan():
     assert tail(1536) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 1024, "TAIL": 512, "num_warps": 2}
     assert tail(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4}
     assert tail(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8}
+    # tails of under 16 bytes a thread widened (masked): 256 values a warp
+    assert tail(1100) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 1024, "TAIL": 512, "num_warps": 2}
+    assert tail(4608)["TAIL"] == tail(4097)["TAIL"] == 1024 and tail(9216)["TAIL"] == tail(8704)["TAIL"] == 2048
     for N in (1000, 4096, 7168, 14336, 16385):  # no tail, or past the range
         assert "TAIL" not in tail(N)
-    for N in (1536, 5120, 8193, 9216, 10241):  # RMSNorm keeps its plans, but at 9217-10240
+    for N in (1536, 5120, 8192, 10241):  # RMSNorm keeps its plans, but at 8193-10240
         assert "TAIL" not in norm_module.forward_config(N, True)
         assert "TAIL" not in norm_module.forward_config(N, True, residual=True)
-    assert norm_module.forward_config(10240, True) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 2048,
+    for N in (8193, 8704, 9216, 10240):
+        assert norm_module.forward_config(N, True) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 2048,
                                                       "num_warps": 8}
-    assert norm_module.forward_config(9217, True)["TAIL"] == 2048
     assert "TAIL" not in norm_module.forward_config(10240, True, residual=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [1500, 1536, 2560, 4097])
+@pytest.mark.parametrize("N", [1100, 1500, 1536, 2560, 4097, 4608])
 def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     """LayerNorm's forward with the row as two tiles (whole: 1536, 2560; a masked tail: 1500,
-    4097), a first value that stands out in one row (the deviations' pass over both tiles),
-    forward and backward against torch."""
+    4097, and widened: 1100, 4608), a first value that stands out in one row (the deviations'
+    pass over both tiles), forward and backward against torch."""
     launches = recorded_launches(monkeypatch)
     x = torch.randn(5, N, device=device) * 2 + 0.5
     x[2, 0] = 1000.0
     check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
           factor=4)
-    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N)]
+    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, max(2, norm_module.rows_tail(N)[0] // 1024))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [9300, 10240])
+@pytest.mark.parametrize("N", [8200, 9300, 10240])
 def test_rms_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
-    """RMSNorm's forward of 9217-10240 as two tiles (8192 + 2048, masked at 9300, whole at 10240),
-    forward and backward against torch."""
+    """RMSNorm's forward of 8193-10240 as two tiles (8192 + 2048, masked at 8200 and 9300, whole
+    at 10240), forward and backward against torch."""
     launches = recorded_launches(monkeypatch)
     x = torch.randn(3, N, device=device) * 2 + 0.5
     check("rms", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), None)
-    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N)]
+    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, 8)]
 
 
 def test_rms_backward_rows_as_two_tiles_plan():
