@@ -910,6 +910,12 @@ BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32
 # 0.81 / 0.78 / 0.82), and for LayerNorm (+0.005 to +0.03 at 3072-6144, +0.07 at 10240, -0.2
 # at 12288, where 48 values a thread spill); the residual's gradient not measured.
 RMS_BACKWARD_TAIL = (4096, 16384, {4096: (4, 2), 8192: (8, 1)})
+# LayerNorm's backward as two tiles where the tail holds 16 bytes a thread (a narrower one
+# takes 8-byte loads: _launch.tail_for_warps): (row length from, up to, warps, programs per
+# SM). Session 34, kernel alone, bf16, weight and bias, one run: 3072 = 2048 + 1024 / 4
+# warps 0.767 against the rows plan's 4096 / 8 warps 0.734; 10240 = 8192 + 2048 / 8 warps
+# 0.761 against the cluster's 4096 / 8 warps 0.695 (session 30: +0.07 there too).
+LAYER_BACKWARD_TAIL = [(2048, 3072, 4, 2), (8192, 10240, 8, 1)]
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -1007,6 +1013,10 @@ def backward_config(N, rms, dh=False, clusters=False):
         warps, per_sm = by_first_tile[head]
         return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                 "PROGRAMS_PER_SM": per_sm}
+    for low, high, warps, per_sm in LAYER_BACKWARD_TAIL if not rms else ():
+        if low < N <= high and tail >= tail_for_warps(0, warps):
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
+                    "PROGRAMS_PER_SM": per_sm}
     past, across = BACKWARD_CLUSTER[_kind(rms)]
     for limit, block, warps, ahead in across if clusters and not dh and N > past else ():
         if N <= limit:
