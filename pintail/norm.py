@@ -910,11 +910,12 @@ BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32
 # 0.81 / 0.78 / 0.82), and for LayerNorm (+0.005 to +0.03 at 3072-6144, +0.07 at 10240, -0.2
 # at 12288, where 48 values a thread spill); the residual's gradient not measured.
 RMS_BACKWARD_TAIL = (4096, 16384, {4096: (4, 2), 8192: (8, 1)})
-# LayerNorm's backward as two tiles where the tail holds 16 bytes a thread (a narrower one
-# takes 8-byte loads: _launch.tail_for_warps): (row length from, up to, warps, programs per
-# SM). Session 34, kernel alone, bf16, weight and bias, one run: 3072 = 2048 + 1024 / 4
-# warps 0.767 against the rows plan's 4096 / 8 warps 0.734; 10240 = 8192 + 2048 / 8 warps
-# 0.761 against the cluster's 4096 / 8 warps 0.695 (session 30: +0.07 there too).
+# LayerNorm's backward as two whole tiles (no column masks), the tail 16 bytes a thread (a
+# narrower one takes 8-byte loads: _launch.tail_for_warps): (row length from, up to, warps,
+# programs per SM). Session 34, kernel alone, bf16, weight and bias, two runs a side: 3072 =
+# 2048 + 1024 / 4 warps 0.746 / 0.740 -> 0.766 / 0.765 (the rows plan's 4096 / 8 warps);
+# 10240 = 8192 + 2048 / 8 warps 0.692 / 0.694 -> 0.759 / 0.759 (the cluster's 4096 / 8
+# warps). Masked tails lost: 3000 0.725 -> 0.699, 9728 0.673 -> 0.565.
 LAYER_BACKWARD_TAIL = [(2048, 3072, 4, 2), (8192, 10240, 8, 1)]
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
@@ -1014,7 +1015,7 @@ def backward_config(N, rms, dh=False, clusters=False):
         return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                 "PROGRAMS_PER_SM": per_sm}
     for low, high, warps, per_sm in LAYER_BACKWARD_TAIL if not rms else ():
-        if low < N <= high and tail >= tail_for_warps(0, warps):
+        if low < N <= high and N == head + tail and tail >= tail_for_warps(0, warps):
             return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
     past, across = BACKWARD_CLUSTER[_kind(rms)]
