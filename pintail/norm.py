@@ -987,7 +987,8 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
         head, tail = rows_tail(N)
         if tail:
             warps = max(2, head // 1024)
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail_for_warps(tail, warps), "num_warps": warps}
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail_for_warps(tail, warps),
+                    "num_warps": warps}
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
             continue

@@ -571,7 +571,8 @@ def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     x[2, 0] = 1000.0
     check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
           factor=4)
-    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, max(2, norm_module.rows_tail(N)[0] // 1024))]
+    warps = max(2, norm_module.rows_tail(N)[0] // 1024)
+    assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, warps)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
