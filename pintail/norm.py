@@ -48,7 +48,7 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
                       pack_pairs, packs_into_words, program_slots, row_alignment, rows_tail, runs_kernels,
-                      tail_for_warps, unit_stride, unpack_pairs, whole_tiles)
+                      unit_stride, unpack_pairs, vector_tail, whole_tiles)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -871,7 +871,7 @@ RMS_ONE_CHUNK_FILLED = (1024, 8192)
 # two rows a program lost 0.03-0.4. RMSNorm (no residual) of 8193-10240 likewise (8192 +
 # 2048 at 8 warps). Session 31, two runs: 10240 0.919 / 0.919 (the long plan's 16384 / 8) ->
 # 0.936 / 0.948 (16 warps 0.90, two rows 0.77). The tail takes at least 16 bytes a thread
-# (_launch.tail_for_warps) and the head no column mask: session 34, kernel alone, the plan
+# (widened, masked, to _launch.vector_tail) and the head no column mask: session 34, kernel alone, the plan
 # before -> this: LayerNorm 4352 / 4608 / 8704 / 9216 0.67 / 0.60 / 0.62 / 0.50 -> 0.91 / 0.93
 # / 0.85 / 0.875 (9728 0.90 either way); RMSNorm 8704 / 9216 0.853 / 0.880 (long plan) ->
 # 0.937 / 0.936 (session 31's 9216 loss was the 1024 tail at 8 warps: 8-byte loads).
@@ -901,22 +901,23 @@ FORWARD_CLUSTER_RMS = [(65536, 4096, 4), (131072, 8192, 4), (262144, 16384, 8)]
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
-# RMSNorm's backward of 4097-16384 without a residual's gradient where rows_tail cuts the row
-# into two tiles (5120, 6144, 10240, 12288): one row a tile, by the first tile's columns:
-# (warps, programs per SM). Session 30, kernel alone, H200, bf16, weight (tune_norm.py
+# The backward as two tiles, one row a tile, where rows_tail cuts the row so, without a
+# residual's gradient, by kind: (whole rows only, [(row length from, up to, warps, programs
+# per SM)]); whole rows only: the row fills both tiles and the tail holds 16 bytes a thread
+# (_launch.vector_tail). RMSNorm at 4097-6144 (4096 + a tail) and 8193-12288 (8192 + a tail;
+# 5120, 6144, 10240, 12288). Session 30, kernel alone, H200, bf16, weight (tune_norm.py
 # --tails), the default -> this: 5120 / 6144 0.70 / 0.78 (8192 / 32 warps) -> 0.87 / 0.87
 # (4 warps, 2 an SM; 8-32 warps 0.69-0.75); 10240 / 12288 0.82 / 0.81 (across a cluster) ->
 # 0.835 / 0.86 (8 warps, 1 an SM). Lost at 1536 / 2560 / 3072 (0.61 / 0.75 / 0.78 against
 # 0.81 / 0.78 / 0.82), and for LayerNorm (+0.005 to +0.03 at 3072-6144, +0.07 at 10240, -0.2
 # at 12288, where 48 values a thread spill); the residual's gradient not measured.
-RMS_BACKWARD_TAIL = (4096, 16384, {4096: (4, 2), 8192: (8, 1)})
-# LayerNorm's backward as two whole tiles (no column masks), the tail 16 bytes a thread (a
-# narrower one takes 8-byte loads: _launch.tail_for_warps): (row length from, up to, warps,
-# programs per SM). Session 34, kernel alone, bf16, weight and bias, two runs a side: 3072 =
+# LayerNorm as two whole tiles (no column masks; a narrower tail takes 8-byte loads).
+# Session 34, kernel alone, bf16, weight and bias, two runs a side: 3072 =
 # 2048 + 1024 / 4 warps 0.746 / 0.740 -> 0.766 / 0.765 (the rows plan's 4096 / 8 warps);
 # 10240 = 8192 + 2048 / 8 warps 0.692 / 0.694 -> 0.759 / 0.759 (the cluster's 4096 / 8
 # warps). Masked tails lost: 3000 0.725 -> 0.699, 9728 0.673 -> 0.565.
-LAYER_BACKWARD_TAIL = [(2048, 3072, 4, 2), (8192, 10240, 8, 1)]
+BACKWARD_TAIL = {"rms": (False, [(4096, 6144, 4, 2), (8192, 12288, 8, 1)]),
+                 "layer": (True, [(2048, 3072, 4, 2), (8192, 10240, 8, 1)])}
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -987,7 +988,7 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
         head, tail = rows_tail(N)
         if tail:
             warps = max(2, head // 1024)
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail_for_warps(tail, warps),
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": max(tail, vector_tail(warps)),
                     "num_warps": warps}
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
@@ -1009,14 +1010,10 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
 def backward_config(N, rms, dh=False, clusters=False):
     """The backward's plan for rows of N; dh: with a residual's gradient; clusters: the GPU
     runs thread-block clusters (_cluster.available)."""
-    low, high, by_first_tile = RMS_BACKWARD_TAIL
+    whole_only, ranges = BACKWARD_TAIL[_kind(rms)]
     head, tail = rows_tail(N)
-    if rms and not dh and tail and low < N <= high:
-        warps, per_sm = by_first_tile[head]
-        return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
-                "PROGRAMS_PER_SM": per_sm}
-    for low, high, warps, per_sm in LAYER_BACKWARD_TAIL if not rms else ():
-        if low < N <= high and N == head + tail and tail >= tail_for_warps(0, warps):
+    for low, high, warps, per_sm in ranges if tail and not dh else ():
+        if low < N <= high and (not whole_only or N == head + tail and tail >= vector_tail(warps)):
             return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
                     "PROGRAMS_PER_SM": per_sm}
     past, across = BACKWARD_CLUSTER[_kind(rms)]
