@@ -414,12 +414,14 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
 def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride, eps,
                             weight_offset, WORDS, ROUNDS, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                             STATS: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                            CLUSTER_POW2: tl.constexpr):
+                            CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr):
     # RMSNorm without a residual, a row across the CLUSTER CTAs of a cluster (softmax's
     # cluster plan), the clusters persistent: CTA `rank` holds slice `rank` of the row in
     # registers, trades its sum of squares with its peers and writes its slice of y: x read
     # once, y written once. The weight and bias are re-read each row after the exchange (L1 /
     # L2), so their registers are not live across it.
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -460,8 +462,9 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
     if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    # with a tail the head's columns are all in the row (rows_tail): no column mask there
     cols = tl.arange(0, BLOCK_N)
-    w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, EVEN)
+    w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, EVEN or TAIL > 0)
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TAIL > 0:
@@ -472,7 +475,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
     tiles = tl.cdiv(M, BLOCK_M)
     step = tl.num_programs(0)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, EVEN)
+    x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, EVEN or TAIL > 0)
     if TAIL > 0:
         x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, rows, tail_cols, M, N, x_row_stride, dy_row_stride,
                                                EVEN)
@@ -486,7 +489,8 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         row_mask = rows < M
         rows = rows.to(tl.int64)
         following = rows + step * BLOCK_M
-        x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, following, cols, M, N, x_row_stride, dy_row_stride, EVEN)
+        x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, following, cols, M, N, x_row_stride, dy_row_stride,
+                                     EVEN or TAIL > 0)
         if TAIL > 0:
             x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, following, tail_cols, M, N, x_row_stride,
                                                    dy_row_stride, EVEN)
@@ -494,7 +498,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         mean = rstd  # RMS: not read
         if not RMS:
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        mask = row_mask[:, None] & in_row(cols, N, EVEN)[None, :]
+        mask = row_mask[:, None] & in_row(cols, N, EVEN or TAIL > 0)[None, :]
         x_hat, g = _gradient_terms(x, dy, w_eff, mean, rstd, mask, RMS, HAS_WEIGHT)
         if TAIL > 0:
             tail_mask = row_mask[:, None] & in_row(tail_cols, N, EVEN)[None, :]
@@ -526,7 +530,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
             dw_tail += dy_tail * x_hat_tail
             db_tail += dy_tail
     part = tl.program_id(0).to(tl.int64) * N
-    _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT, HAS_BIAS, EVEN)
+    _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT, HAS_BIAS, EVEN or TAIL > 0)
     if TAIL > 0:
         _store_partial_rows(dw_ptr, db_ptr, part, tail_cols, dw_tail, db_tail, N, HAS_WEIGHT, HAS_BIAS, EVEN)
 
@@ -732,12 +736,15 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
                              x_row_stride, dy_row_stride, dh_row_stride, dx_row_stride, weight_offset, WORDS, ROUNDS,
                              RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                              HAS_DH: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                             CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr):
+                             CLUSTER_POW2: tl.constexpr, AHEAD: tl.constexpr, ALIGN: tl.constexpr):
     # Rows across the CLUSTER CTAs of a cluster (softmax's cluster plan): CTA `rank` holds
     # slice `rank` of the row's x and dy, trades the slice's sums of g and g x^ with its
     # peers, writes its slice of dx, and adds dy x^ (and dy) of its columns over the rows its
     # cluster takes: one float32 partial row a cluster for _sum_partials_kernel. AHEAD: the
     # next row's x and dy are loaded before this row's exchange.
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
@@ -1088,7 +1095,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, rstd, M, N, 1.0 / N, x.stride(0),
                        y.stride(0), eps, weight_offset, 0, 1, HAS_WEIGHT=weight is not None,
                        HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
-                       CLUSTER_POW2=next_power_of_2(ctas), num_warps=cfg["num_warps"])
+                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
@@ -1179,12 +1186,15 @@ def _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, weight_off
     w = weight if weight is not None else x
     dh_or_dy = dh if dh is not None else dy
 
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0))
+
     def args(dw, db):
-        return (x, w, dy, dh_or_dy, mean if mean.numel() else rstd, rstd, dx, dw, db, M, N, 1.0 / N, x.stride(0),
-                dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset, 0, 1)
+        return (x, w, dy, dh_or_dy, mean if mean.numel() else rstd, rstd, dx, dw, db, M, N, 1.0 / N, *strides,
+                weight_offset, 0, 1)
 
     flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, BLOCK=cfg["BLOCK"],
-                 CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), AHEAD=cfg["AHEAD"], num_warps=cfg["num_warps"])
+                 CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), AHEAD=cfg["AHEAD"],
+                 ALIGN=row_alignment(N, *strides), num_warps=cfg["num_warps"])
     # rstd stands in for the partial rows while counting: float32, and aligned as they will be
     parts = cluster.clusters_for(_backward_cluster_kernel, M, ctas, *args(rstd, rstd), **flags)
     dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None

@@ -754,6 +754,15 @@ FORMS = {
                                                                                                   late), False)
                                       for b, w, r in ((8192, 4, 64), (8192, 4, 72), (16384, 8, 64))
                                       for late in (False, True)],
+    # session 35: slices of 32768 (the one-row pattern whose plain copy reads 0.934-0.941,
+    # session 21) held as words: 16 warps held to 64 registers or 32 warps (32 registers
+    # uncapped on sm_90), 2 CTAs an SM either way; clusters of 4 at 131072, 8 at 262144
+    "one-row-packed-wide": lambda N: [(f"one-row packed {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}"
+                                       + (" late wait" if late else ""),
+                                       lambda x, b=b, w=w, r=r, late=late: cluster_packed_forward(x, b, w, False, r,
+                                                                                                  late), False)
+                                      for b, w, r in ((32768, 16, 64), (32768, 32, None), (16384, 8, 64))
+                                      for late in (False, True)],
     # session 18: one row a cluster with the start's barrier split (arrive early, wait before
     # the first send), against the same kernel with both together
     "early-wait": lambda N: [(f"early-wait {triton.cdiv(N, b)} x {b}/{w}w maxnreg {r}{' early' if e else ''}",

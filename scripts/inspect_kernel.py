@@ -26,6 +26,7 @@ FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
                     "denom_ptr", "mass_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr"}
 EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
+NOT_16_DIVISIBLE = set()  # e.g. {"N", "x_row_stride"}: sizes Triton may not take as 16-divisible (rows of 9000)
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
 
 
@@ -52,7 +53,8 @@ def signature(fn):
 def inspect(fn, signature, constexprs, num_warps):
     divisible = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
                  if t not in ("constexpr", "fp32") and name not in ("SLICES", "LAG", "WORDS", "ROUNDS", "ignore_index", "seq_offset",
-                                                                   "rows_per_program", "HQ", "HK", "S", "D")}
+                                                                   "rows_per_program", "HQ", "HK", "S", "D")
+                 and name not in NOT_16_DIVISIBLE}
     if "ALIGN" in signature and "ALIGN" not in constexprs:  # rows of 16-divisible length (the bench's)
         constexprs = {**constexprs, "ALIGN": 1}
     if "EVEN" in signature and "EVEN" not in constexprs:  # rows of whole chunks (the bench's)

@@ -736,11 +736,12 @@ def cluster_launches(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [4097, 5120, 7000, 8193, 12289, 16384, 20001, 32768])
+@pytest.mark.parametrize("N", [4097, 5120, 6008, 7000, 8193, 12289, 16384, 20001, 20008, 32768])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_device):
     """The cluster plan (rows of 8193-32768, LayerNorm's from 4097; 2 to 8 CTAs, the last
-    slice masked where N is not a multiple of the slice) against float64 torch, through
+    slice masked where N is not a multiple of the slice; 6008 and 20008 are 16-byte vectors
+    but not 16-divisible: ALIGN) against float64 torch, through
     autograd: more rows than clusters fit, so each cluster's partial row of dweight / dbias
     adds up many rows. RMSNorm's rows of 4097-8193 take the rows plan (as two tiles but at
     7000) instead: checked the same way, with many rows a program."""
@@ -771,7 +772,7 @@ def test_backward_across_a_cluster_past_32768(kind, dtype, N, affine, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [32769, 65536, 131072, 200003, 262144])
+@pytest.mark.parametrize("N", [32769, 40008, 65536, 131072, 200003, 262144])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias+offset"])
 def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
     """RMSNorm's forward across persistent clusters (9 to 16 CTAs, the last slice masked
