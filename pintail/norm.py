@@ -909,22 +909,21 @@ FORWARD_CLUSTER_RMS = [(65536, 4096, 4), (131072, 8192, 4), (262144, 16384, 8)]
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 # The backward as two tiles, one row a tile, where rows_tail cuts the row so, without a
-# residual's gradient, by kind: (whole rows only, [(row length from, up to, warps, programs
-# per SM)]); whole rows only: the row fills both tiles and the tail holds 16 bytes a thread
-# (_launch.vector_tail). RMSNorm at 4097-6144 (4096 + a tail) and 8193-12288 (8192 + a tail;
-# 5120, 6144, 10240, 12288). Session 30, kernel alone, H200, bf16, weight (tune_norm.py
-# --tails), the default -> this: 5120 / 6144 0.70 / 0.78 (8192 / 32 warps) -> 0.87 / 0.87
-# (4 warps, 2 an SM; 8-32 warps 0.69-0.75); 10240 / 12288 0.82 / 0.81 (across a cluster) ->
-# 0.835 / 0.86 (8 warps, 1 an SM). Lost at 1536 / 2560 / 3072 (0.61 / 0.75 / 0.78 against
-# 0.81 / 0.78 / 0.82), and for LayerNorm (+0.005 to +0.03 at 3072-6144, +0.07 at 10240, -0.2
-# at 12288, where 48 values a thread spill); the residual's gradient not measured.
-# LayerNorm as two whole tiles (no column masks; a narrower tail takes 8-byte loads).
-# Session 34, kernel alone, bf16, weight and bias, two runs a side: 3072 =
-# 2048 + 1024 / 4 warps 0.746 / 0.740 -> 0.766 / 0.765 (the rows plan's 4096 / 8 warps);
-# 10240 = 8192 + 2048 / 8 warps 0.692 / 0.694 -> 0.759 / 0.759 (the cluster's 4096 / 8
-# warps). Masked tails lost: 3000 0.725 -> 0.699, 9728 0.673 -> 0.565.
-BACKWARD_TAIL = {"rms": (False, [(4096, 6144, 4, 2), (8192, 12288, 8, 1)]),
-                 "layer": (True, [(2048, 3072, 4, 2), (8192, 10240, 8, 1)])}
+# residual's gradient, by kind: (values a thread the tail holds at least: widened, masked,
+# to _launch.vector_tail, [(row length from, up to, warps, programs per SM)]). RMSNorm at
+# 4097-6144 (4096 + a tail) and 8193-12288 (8192 + a tail). Session 30, kernel alone, H200,
+# bf16, weight (tune_norm.py --tails), the default -> this: 5120 / 6144 0.70 / 0.78 (8192 /
+# 32 warps) -> 0.87 / 0.87 (4 warps, 2 an SM; 8-32 warps 0.69-0.75); 10240 / 12288 0.82 /
+# 0.81 (across a cluster) -> 0.835 / 0.86 (8 warps, 1 an SM). Lost at 1536 / 2560 / 3072.
+# LayerNorm's tiles lost while the head kept its column mask (session 34: 9728 0.673 ->
+# 0.565); since the kernel's head has none (session 35), same table, kernel alone, bf16:
+# LayerNorm (weight and bias) the cluster / rows plan -> two tiles 2560 0.675 -> 0.690,
+# 3000 0.727 -> 0.740, 8704 0.625 -> 0.710, 9216 0.654 -> 0.731, 9728 0.675 -> 0.745; tails
+# of 8 values a thread beat 4 (9000: 0.695 against 0.568). RMSNorm's tail of 4 values a
+# thread beats 8 (4608 0.874 against 0.857, 9216 0.841 against 0.805) and the tail as cut
+# (8704 0.831 against 0.756); the head unmasked alone took RMSNorm's 9000 from 0.670 to 0.845.
+BACKWARD_TAIL = {"rms": (4, [(4096, 6144, 4, 2), (8192, 12288, 8, 1)]),
+                 "layer": (8, [(2048, 3072, 4, 2), (8192, 10240, 8, 1)])}
 # The split forward per kind; with a residual (twice the bytes per slice, 196 registers at
 # 4 warps) RMSNorm takes 8 warps, 2 programs per SM. A lag under one round of the grid
 # waits: 0.65 against 0.82 at N = 262144; LayerNorm's half-round lag measured 0.51 there
@@ -1017,12 +1016,12 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
 def backward_config(N, rms, dh=False, clusters=False):
     """The backward's plan for rows of N; dh: with a residual's gradient; clusters: the GPU
     runs thread-block clusters (_cluster.available)."""
-    whole_only, ranges = BACKWARD_TAIL[_kind(rms)]
+    values, ranges = BACKWARD_TAIL[_kind(rms)]
     head, tail = rows_tail(N)
     for low, high, warps, per_sm in ranges if tail and not dh else ():
-        if low < N <= high and (not whole_only or N == head + tail and tail >= vector_tail(warps)):
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail, "num_warps": warps,
-                    "PROGRAMS_PER_SM": per_sm}
+        if low < N <= high:
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": max(tail, vector_tail(warps, values)),
+                    "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
     past, across = BACKWARD_CLUSTER[_kind(rms)]
     for limit, block, warps, ahead in across if clusters and not dh and N > past else ():
         if N <= limit:

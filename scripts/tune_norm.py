@@ -49,7 +49,9 @@ def configs(direction, N, rms):
         for warps in (4, 8, 16, 32):
             if 2 <= (head + tail) // (32 * warps) <= 64:
                 out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps,
-                         "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2) for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
+                         "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2)
+                        # the tail as cut, or widened to 8 or 16 bytes a thread (session 35)
+                        for t in sorted({tail, max(tail, 128 * warps), max(tail, 256 * warps)}) if t < head]
     if direction == "fwd" and N <= 32768:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
         # (compile's RMSNorm at 32768: one 32768 chunk, 32 warps, 0.94)
         for warps in (1, 2, 4, 8, 16, 32):

@@ -528,11 +528,11 @@ def tiles_launched(launches, kernel):
     return [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches if name == kernel]
 
 
-def two_tiles(N, warps=0):
-    """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it, the tail at least 16 bytes of
-    16-bit values a thread of `warps` (the forward's)."""
+def two_tiles(N, warps=0, values=8):
+    """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it, the tail at least `values` a
+    thread of `warps` (8: 16 bytes of 16-bit values, the forward's)."""
     head, tail = norm_module.rows_tail(N)
-    tail = max(tail, 256 * warps)
+    tail = max(tail, values * 32 * warps)
     return head, tail, N == head + tail
 
 
@@ -586,9 +586,11 @@ def test_rms_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, 8)]
 
 
-def test_rms_backward_rows_as_two_tiles_plan():
-    """RMSNorm's backward of 4097-16384 without a residual's gradient: one row a tile as two
-    tiles where rows_tail cuts the row so; with dh, or LayerNorm, the tables'."""
+def test_backward_rows_as_two_tiles_plan():
+    """The backward without a residual's gradient, RMSNorm's of 4097-6144 and 8193-12288,
+    LayerNorm's of 2049-3072 and 8193-10240: one row a tile as two tiles where rows_tail cuts
+    the row so, the tail widened to 4 values a thread (RMSNorm) or 8 (LayerNorm); with dh, or
+    elsewhere, the tables'."""
     for clusters in (False, True):
         config = lambda N, rms=True, dh=False: norm_module.backward_config(N, rms, dh, clusters)
         assert config(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4,
@@ -597,12 +599,14 @@ def test_rms_backward_rows_as_two_tiles_plan():
                                  "PROGRAMS_PER_SM": 1}
         for N in (3072, 4096, 7168, 14336, 16385):
             assert "TAIL" not in config(N)
+        assert config(4608)["TAIL"] == 512 and config(4097)["TAIL"] == 512 and config(8704)["TAIL"] == 1024
         assert "TAIL" not in config(5120, dh=True) and "TAIL" not in config(5120, rms=False)
-        # LayerNorm's as two whole tiles, the tail 16 bytes a thread: 3072 and 10240
-        for N, head, tail, warps, per_sm in ((3072, 2048, 1024, 4, 2), (10240, 8192, 2048, 8, 1)):
+        for N, head, tail, warps, per_sm in ((2049, 2048, 1024, 4, 2), (2560, 2048, 1024, 4, 2),
+                                             (3072, 2048, 1024, 4, 2), (8193, 8192, 2048, 8, 1),
+                                             (9000, 8192, 2048, 8, 1), (10240, 8192, 2048, 8, 1)):
             assert config(N, rms=False) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": tail,
                                             "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
-        for N in (2048, 2560, 2561, 3000, 3073, 8704, 9216, 9728, 10241):
+        for N in (2048, 3073, 8192, 10241):
             assert "TAIL" not in config(N, rms=False)
 
 
@@ -615,18 +619,18 @@ def test_rms_backward_rows_as_two_tiles(N, extras, monkeypatch, device):
     weight = torch.randn(N, device=device, dtype=torch.bfloat16) if extras != "none" else None
     bias = torch.randn(N, device=device, dtype=torch.bfloat16) if extras == "bias+offset" else None
     check("rms", x, (N,), weight, bias, weight_offset=1.0 if extras == "bias+offset" else 0.0)
-    assert tiles_launched(launches, "_backward_rows_kernel") == [two_tiles(N)]
+    assert tiles_launched(launches, "_backward_rows_kernel") == [two_tiles(N, 4, values=4)]
 
 
-@pytest.mark.parametrize("N", [3072, 10240])
+@pytest.mark.parametrize("N", [2600, 3072, 9000, 10240])
 def test_layer_backward_rows_as_two_tiles(N, monkeypatch, device):
-    """LayerNorm's backward with the row as two whole tiles, a weight and a bias, against
-    float64 torch."""
+    """LayerNorm's backward with the row as two tiles (whole: 3072, 10240; the tail masked:
+    2600, 9000), a weight and a bias, against float64 torch."""
     launches = recorded_launches(monkeypatch)
     x = torch.randn(9, N, device=device, dtype=torch.bfloat16) * 2 + 0.5
     weight, bias = (torch.randn(N, device=device, dtype=torch.bfloat16) for _ in range(2))
     check("layer", x, (N,), weight, bias, factor=4)
-    assert tiles_launched(launches, "_backward_rows_kernel") == [two_tiles(N)]
+    assert tiles_launched(launches, "_backward_rows_kernel") == [two_tiles(N, 4 if N <= 3072 else 8)]
 
 
 def test_long_rows_plans():
@@ -661,13 +665,15 @@ def test_long_rows_plans():
 def test_backward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the backward of rows without a residual's
     gradient goes across a cluster from 8193 (RMSNorm; but its rows as two tiles, 8193-12288)
-    or 4097 (LayerNorm) to 131072; the other plans stay as they were."""
+    or 4097 (LayerNorm; but its rows as two tiles, 8193-10240) to 131072; the other plans stay
+    as they were."""
     for rms in (True, False):
         config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
         assert config(4096)["plan"] == "rows"
         assert config(4097)["plan"] == config(8192)["plan"] == ("rows" if rms else "cluster")
         assert config(12289)["plan"] == config(131072)["plan"] == "cluster"
-        assert config(8193)["plan"] == ("rows" if rms else "cluster")
+        assert config(8193)["plan"] == config(10240)["plan"] == "rows"
+        assert config(10241)["plan"] == ("rows" if rms else "cluster")
         assert config(6144, dh=True) == norm_module.backward_config(6144, rms, dh=True)
         assert config(131073) == norm_module.backward_config(131073, rms)
         assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
@@ -743,8 +749,9 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     slice masked where N is not a multiple of the slice; 6008 and 20008 are 16-byte vectors
     but not 16-divisible: ALIGN) against float64 torch, through
     autograd: more rows than clusters fit, so each cluster's partial row of dweight / dbias
-    adds up many rows. RMSNorm's rows of 4097-8193 take the rows plan (as two tiles but at
-    7000) instead: checked the same way, with many rows a program."""
+    adds up many rows. RMSNorm's rows of 4097-12288 and LayerNorm's of 8193-10240 take the
+    rows plan (as two tiles but at 7000) instead: checked the same way, with many rows a
+    program."""
     x = torch.randn(600, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
@@ -752,7 +759,7 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     check(kind, x, (N,), w, b)
     across = norm_module.backward_config(N, kind == "rms", clusters=True)["plan"] == "cluster"
     assert launched == (["_backward_cluster_kernel"] if across else [])
-    assert across == (kind == "layer" or N > 8193)
+    assert across == (N > 12288 or kind == "layer" and not 8192 < N <= 10240)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
