@@ -347,7 +347,8 @@ def _corrected(mean, squares, sums, inv_count):
 def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, slots_ptr, M, N,
                           inv_n, x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                           SLICES, LAG, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
+                          ALIGN: tl.constexpr):
     # Ticket-ordered slices (pintail/_split.py). Each slice publishes, RMS: (sum x^2, 1.0);
     # LayerNorm: (sum of squared deviations from the slice's own mean, sum x), from float64
     # sums of s = x - first (the row's first value); the first word with its lowest mantissa
@@ -356,6 +357,9 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
     # not first + mean(s), which would round at the scale of x - first. The lagged write
     # recomputes h = x + residual from its inputs (from L2) rather than re-reading the h just
     # stored by another program, which would need a release / acquire pair to be visible.
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -1098,7 +1102,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
-               BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices))
+               BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=align)
     return (y, h, mean, rstd) if stats else (y, h, mean.new_empty(0), rstd.new_empty(0))
 
 

@@ -108,8 +108,10 @@ def _forward_row_shift_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LO
 
 @triton.jit
 def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
-                          LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+                          LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr, ALIGN: tl.constexpr):
     # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
+    if ALIGN > 1:  # as in the rows kernel
+        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -342,8 +344,12 @@ def _backward_row_shift_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row
 
 @triton.jit
 def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                           SLICES, LAG, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+                           SLICES, LAG, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
+                           ALIGN: tl.constexpr):
     # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
+    if ALIGN > 1:  # as in the rows kernel
+        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -376,11 +382,15 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
 
 @triton.jit(do_not_specialize=["SLICES"])  # SLICES specialised to 1 fails Triton 3.6's compile
 def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
-                             SLICES, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr):
+                             SLICES, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
+                             ALIGN: tl.constexpr):
     # Per ticket (row, slice): the slice's sum(dy) (log_softmax) or sum(y * dy), published
     # as soon as the slice is loaded; the slice's dx once its row is complete. Each program
     # holds two tickets: the one it waits on and the next, whose partial it has published
     # before it waits (_split.py: why that cannot deadlock).
+    if ALIGN > 1:  # as in the rows kernel
+        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = M * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     row = ticket // SLICES
@@ -768,7 +778,8 @@ def launch_forward(x, y, log, config=None):
         launch(
             _forward_split_kernel, grid,
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
+            num_warps=cfg["num_warps"])
 
 
 def launch_backward(y, dy, dx, log, config=None):
@@ -791,13 +802,14 @@ def launch_backward(y, dy, dx, log, config=None):
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),
                slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices),
-               num_warps=cfg["num_warps"])
+               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)
         launch(
             _backward_split_kernel, grid,
             y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices),
+            ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
 
 
 # --------------------------------------------------------------- tensor-level functions

@@ -49,10 +49,10 @@ def main():
     sm, norm = ik.sm, ik.norm
     split_fwd = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slots_ptr": "*i64", "M": "i32", "N": "i32",
                  "x_row_stride": "i32", "y_row_stride": "i32", "SLICES": "i32", "LAG": "i32", "LOG": "constexpr",
-                 "BLOCK": "constexpr", "SLICES_POW2": "constexpr"}
+                 "BLOCK": "constexpr", "SLICES_POW2": "constexpr", "ALIGN": "constexpr"}
     split_bwd = {"y_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16", "slots_ptr": "*i64", "M": "i32", "N": "i32",
                  "y_row_stride": "i32", "dy_row_stride": "i32", "dx_row_stride": "i32", "SLICES": "i32", "LAG": "i32",
-                 "LOG": "constexpr", "BLOCK": "constexpr", "SLICES_POW2": "constexpr"}
+                 "LOG": "constexpr", "BLOCK": "constexpr", "SLICES_POW2": "constexpr", "ALIGN": "constexpr"}
     own_row = {k: v for k, v in split_bwd.items() if k != "LAG"}
     for N in (131072, 262144):
         for log in (False, True):
