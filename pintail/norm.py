@@ -466,9 +466,9 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
     if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
         N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
         dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
-    # with a tail the head's columns are all in the row (rows_tail): no column mask there
+    HEAD_IN_ROW: tl.constexpr = EVEN or TAIL > 0  # with a tail every head column is in the row (rows_tail)
     cols = tl.arange(0, BLOCK_N)
-    w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, EVEN or TAIL > 0)
+    w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, HEAD_IN_ROW)
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TAIL > 0:
@@ -479,7 +479,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
     tiles = tl.cdiv(M, BLOCK_M)
     step = tl.num_programs(0)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, EVEN or TAIL > 0)
+    x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, rows, cols, M, N, x_row_stride, dy_row_stride, HEAD_IN_ROW)
     if TAIL > 0:
         x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, rows, tail_cols, M, N, x_row_stride, dy_row_stride,
                                                EVEN)
@@ -493,8 +493,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         row_mask = rows < M
         rows = rows.to(tl.int64)
         following = rows + step * BLOCK_M
-        x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, following, cols, M, N, x_row_stride, dy_row_stride,
-                                     EVEN or TAIL > 0)
+        x_next, dy_next = _rows_x_dy(x_ptr, dy_ptr, following, cols, M, N, x_row_stride, dy_row_stride, HEAD_IN_ROW)
         if TAIL > 0:
             x_tail_next, dy_tail_next = _rows_x_dy(x_ptr, dy_ptr, following, tail_cols, M, N, x_row_stride,
                                                    dy_row_stride, EVEN)
@@ -502,7 +501,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
         mean = rstd  # RMS: not read
         if not RMS:
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        mask = row_mask[:, None] & in_row(cols, N, EVEN or TAIL > 0)[None, :]
+        mask = row_mask[:, None] & in_row(cols, N, HEAD_IN_ROW)[None, :]
         x_hat, g = _gradient_terms(x, dy, w_eff, mean, rstd, mask, RMS, HAS_WEIGHT)
         if TAIL > 0:
             tail_mask = row_mask[:, None] & in_row(tail_cols, N, EVEN)[None, :]
@@ -534,7 +533,7 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
             dw_tail += dy_tail * x_hat_tail
             db_tail += dy_tail
     part = tl.program_id(0).to(tl.int64) * N
-    _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT, HAS_BIAS, EVEN or TAIL > 0)
+    _store_partial_rows(dw_ptr, db_ptr, part, cols, dw, db, N, HAS_WEIGHT, HAS_BIAS, HEAD_IN_ROW)
     if TAIL > 0:
         _store_partial_rows(dw_ptr, db_ptr, part, tail_cols, dw_tail, db_tail, N, HAS_WEIGHT, HAS_BIAS, EVEN)
 
