@@ -1136,8 +1136,10 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
         # gradient and a bias it takes 166: 3 per SM, not the 4 the grid counts on).
         if slices > program_slots(x.device, 1):
             cfg = BACKWARD_LONG
+    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
+    align = row_alignment(N, *strides[:4])
     if cfg["plan"] == "cluster":
-        return _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, cfg, dx,
+        return _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, rms, cfg, dx, strides, align,
                                         dweight_dtype, dbias_dtype)
     if cfg["plan"] == "rows":
         block = cfg["BLOCK_N"]
@@ -1151,8 +1153,6 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None
     db = torch.empty(parts, N, dtype=torch.float32, device=x.device) if has_bias else None
     outputs = (dx, dw if dw is not None else rstd, db if db is not None else rstd)
-    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), weight_offset)
-    align = row_alignment(N, *strides[:4])
     flags = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, ALIGN=align,
                  num_warps=cfg["num_warps"])
     w = weight if weight is not None else x
@@ -1179,24 +1179,22 @@ def _backward(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight
     return (dx, *_sum_partials(dw, db, dweight_dtype, dbias_dtype))
 
 
-def _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x_dtype, cfg, dx,
-                             dweight_dtype, dbias_dtype):
-    """The cluster plan of _backward: one partial row of dweight / dbias a cluster, so the
-    clusters are counted before those rows are made."""
+def _backward_across_cluster(dy, dh, x, weight, has_bias, mean, rstd, rms, cfg, dx, strides, align, dweight_dtype,
+                             dbias_dtype):
+    """The cluster plan of _backward (its row strides and weight_offset, its ALIGN): one
+    partial row of dweight / dbias a cluster, so the clusters are counted before those rows
+    are made."""
     M, N = x.shape
     ctas = cdiv(N, cfg["BLOCK"])
     w = weight if weight is not None else x
     dh_or_dy = dh if dh is not None else dy
 
-    strides = (x.stride(0), dy.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0))
-
     def args(dw, db):
-        return (x, w, dy, dh_or_dy, mean if mean.numel() else rstd, rstd, dx, dw, db, M, N, 1.0 / N, *strides,
-                weight_offset, 0, 1)
+        return (x, w, dy, dh_or_dy, mean if mean.numel() else rstd, rstd, dx, dw, db, M, N, 1.0 / N, *strides, 0, 1)
 
     flags = dict(RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DH=dh is not None, BLOCK=cfg["BLOCK"],
-                 CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), AHEAD=cfg["AHEAD"],
-                 ALIGN=row_alignment(N, *strides), num_warps=cfg["num_warps"])
+                 CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), AHEAD=cfg["AHEAD"], ALIGN=align,
+                 num_warps=cfg["num_warps"])
     # rstd stands in for the partial rows while counting: float32, and aligned as they will be
     parts = cluster.clusters_for(_backward_cluster_kernel, M, ctas, *args(rstd, rstd), **flags)
     dw = torch.empty(parts, N, dtype=torch.float32, device=x.device) if weight is not None else None

@@ -753,11 +753,12 @@ def launch_forward(x, y, log, config=None):
     """y[M, N] = (log_)softmax(x[M, N]) along rows; both have unit column stride."""
     M, N = x.shape
     cfg = config or planned_forward(x, y, log)
+    align = row_alignment(N, x.stride(0), y.stride(0))  # the rows, two-pass and split kernels' ALIGN
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_forward_rows_kernel, grid, x, y, M, N, x.stride(0), y.stride(0), LOG=log,
                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], TAIL=cfg.get("TAIL", 0), EVEN=whole_tiles(M, N, cfg),
-               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+               ALIGN=align, num_warps=cfg["num_warps"])
     elif cfg["plan"] == "row_shift":
         _launch_row_shift(_forward_row_shift_kernel, M, N, cfg, x, y, LOG=log)
     elif cfg["plan"] == "packed":
@@ -772,25 +773,24 @@ def launch_forward(x, y, log, config=None):
                        num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     elif cfg["plan"] == "two_pass":
         launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
-               ALIGN=row_alignment(N, x.stride(0), y.stride(0)), num_warps=cfg["num_warps"])
+               ALIGN=align, num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(
             _forward_split_kernel, grid,
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=row_alignment(N, x.stride(0), y.stride(0)),
-            num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=align, num_warps=cfg["num_warps"])
 
 
 def launch_backward(y, dy, dx, log, config=None):
     """dx[M, N] from y and dy along rows; all three have unit column stride."""
     M, N = y.shape
     cfg = config or planned_backward(y, dy, dx, log)
+    align = row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0))  # the rows, own-row and split kernels' ALIGN
     if cfg["plan"] == "rows":
         grid = (cdiv(M, cfg["BLOCK_M"]),)
         launch(_backward_rows_kernel, grid, y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), LOG=log,
-               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+               BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], ALIGN=align, num_warps=cfg["num_warps"])
     elif cfg["plan"] == "row_shift":
         _launch_row_shift(_backward_row_shift_kernel, M, N, cfg, y, dy, dx, LOG=log)
     elif cfg["plan"] == "cluster":
@@ -801,15 +801,14 @@ def launch_backward(y, dy, dx, log, config=None):
     elif cfg["plan"] == "own_row":
         block, slices, grid, slots = split.own_row_plan(M, N, cfg, y.device)
         launch(_backward_own_row_kernel, grid, y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0),
-               slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices),
-               ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+               slices, LOG=log, BLOCK=block, SLICES_POW2=next_power_of_2(slices), ALIGN=align,
+               num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, y.device)
         launch(
             _backward_split_kernel, grid,
             y, dy, dx, slots, M, N, y.stride(0), dy.stride(0), dx.stride(0), slices, lag, LOG=log,
-            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices),
-            ALIGN=row_alignment(N, y.stride(0), dy.stride(0), dx.stride(0)), num_warps=cfg["num_warps"])
+            BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=align, num_warps=cfg["num_warps"])
 
 
 # --------------------------------------------------------------- tensor-level functions
