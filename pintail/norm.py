@@ -74,9 +74,9 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    # with a tail the head's columns are all in the row (rows_tail): no column mask there
+    HEAD_IN_ROW: tl.constexpr = EVEN or TAIL > 0  # with a tail every head column is in the row (rows_tail)
     x, mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_stride, residual_row_stride,
-                          h_row_stride, HAS_RESIDUAL, EVEN or TAIL > 0)
+                          h_row_stride, HAS_RESIDUAL, HEAD_IN_ROW)
     if TAIL > 0:
         tail_cols = BLOCK_N + tl.arange(0, TAIL)
         x_tail, tail_mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, tail_cols, N, x_row_stride,
@@ -108,7 +108,7 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
-                      RMS, HAS_WEIGHT, HAS_BIAS, EVEN or TAIL > 0)
+                      RMS, HAS_WEIGHT, HAS_BIAS, HEAD_IN_ROW)
     if TAIL > 0:
         _write_rows_piece(y_ptr, w_ptr, b_ptr, x_tail, mean, rstd, rows, tail_cols, tail_mask, N, y_row_stride,
                           weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
