@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call of the device tool (600 s at most): the CUDA test suite or a part of it, the benchmark, experiments.
 # Logs and results land in $OUT (the device tool brings them back).
+#   bash scripts/device_run.sh tests-norm  # all of test_norm (351 s cold with 14 workers, session 36)
+#   bash scripts/device_run.sh tests-rest  # every other test file (242 s cold with 14 workers): the whole suite in two calls
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
-#   bash scripts/device_run.sh tests-n     # norm without the cluster tests (the whole file took > 400 s cold, session 31)
+#   bash scripts/device_run.sh tests-n     # norm without the cluster tests
 #   bash scripts/device_run.sh tests-nc    # norm's cluster tests
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3-6.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
@@ -55,14 +57,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 # The image has no pytest-xdist and reaches no package index: its wheels (pure Python) go in
 # device-wheels/ (git-ignored; here: `pip download --no-deps -d device-wheels pytest-xdist==3.8.0
 # execnet==2.1.2`), named in the device call's carry, and are imported from the zips. The
-# tests then run in 8 processes: their Triton compiles are most of a cold run's time. The whole
-# suite so ran past 540 s (session 33: 98 % done; norm's cluster tests at 32768 take 16-25 s each,
-# and workers compile the same kernels at once), hence a call a part; each part's log its own.
+# tests then run in 14 processes (the machine has 16 cores): their Triton compiles are most of
+# a cold run's time. With 8 the whole suite ran past 540 s (session 33: 98 % done; norm's
+# cluster tests at 32768 take 16-25 s each), hence a call a part; each part's log its own.
 wheels=$(ls device-wheels/*.whl 2>/dev/null | tr '\n' ':')
 workers=()
 if [ -n "$wheels" ]; then
     PYTHONPATH=$PYTHONPATH:${wheels%:}
-    workers=(-n 8 --dist worksteal)
+    workers=(-n 14 --dist worksteal)
 fi
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -74,6 +76,9 @@ pytest_cuda() {
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$mode.log" | tail -20
 }
 case $mode in
+    tests-norm) pytest_cuda tests/test_norm.py ;;
+    tests-rest) pytest_cuda tests/test_api.py tests/test_cross_entropy.py tests/test_softmax.py tests/test_rotary.py \
+        tests/test_fuzz.py ;;
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
     tests-n) pytest_cuda tests/test_norm.py -k "not cluster" ;;
     tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
@@ -164,6 +169,6 @@ case $mode in
             tests/test_softmax.py --device cuda -o addopts="" -q -p no:cacheprovider -p no:warnings \
             -k "blocks or split or own_row or small_slices or falls_back or two_tiles" > "$OUT/sanitize.log" 2>&1
         echo "exit $?"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -20 ;;
-    *) echo "usage: bash scripts/device_run.sh tests-a | tests-n | tests-nc | tests-b | bench [bench options] | experiments" \
+    *) echo "usage: bash scripts/device_run.sh tests-norm | tests-rest | tests-a | tests-n | tests-nc | tests-b | bench [bench options] | experiments" \
             "| ab DIR SCRIPT [args] | profile | profile-source | sanitize"; exit 2 ;;
 esac
