@@ -27,7 +27,7 @@ already run, the cap's spills and recomputation cost more than one more program 
 import importlib
 
 import torch
-from measure import copy_bandwidth, print_fraction
+from measure import copy_bandwidth, print_fraction, rotary_inputs
 
 norm = importlib.import_module("pintail.norm")
 softmax = importlib.import_module("pintail.softmax")
@@ -76,12 +76,7 @@ def cross_entropy_cases(V):
 
 
 def rotary_case():
-    q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
-    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
-    table = torch.cat([freqs, freqs], -1)
-    cos, sin = table.cos(), table.sin()
+    q, k, cos, sin = rotary_inputs()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     fn = lambda: rot._launch([(q, q_out), (k, k_out)], cos, sin, None, 2, 0, 128, False, False)
     return fn, 2 * 2 * (q.numel() + k.numel())

@@ -17,7 +17,7 @@ import importlib
 import torch
 import triton
 import triton.language as tl
-from measure import copy_bandwidth, time_ms
+from measure import copy_bandwidth, rotary_inputs, time_ms
 
 rot = importlib.import_module("pintail.rotary")
 
@@ -91,15 +91,11 @@ def _rotate_heads(x_ptr, out_ptr, b, tokens, c, s, S, H, BLOCK_H: tl.constexpr, 
         out = x.to(tl.float32) * c + partner.to(tl.bfloat16, bitcast=True).to(tl.float32) * s
         tl.store(out_ptr + rows + feats, out.to(out_ptr.dtype.element_ty))
 
+
 def main():
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
-    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
-    table = torch.cat([freqs, freqs], -1)
-    cos, sin = table.cos(), table.sin()
+    q, k, cos, sin = rotary_inputs()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
     frac = lambda fn: nbytes / (time_ms(fn) * 1e-3) / copy_bw

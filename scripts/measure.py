@@ -21,6 +21,18 @@ def copy_bandwidth():
     return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
 
 
+def rotary_inputs(interleaved=False):
+    """BENCHMARKS.md's rotary shape: q (8, 32, 4096, 128) and k (8, 8, 4096, 128) bf16, (batch,
+    heads, seq, dim), and the float32 cos / sin tables of a column per feature (Hugging Face's
+    halves, or GPT-J's pairs side by side)."""
+    q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
+    table = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
+    return q, k, table.cos(), table.sin()
+
+
 def host_us(fn, calls=300):
     """Host time of one call in us: a loop of calls, then one synchronisation."""
     fn()

@@ -11,7 +11,7 @@ import itertools
 import sys
 
 import torch
-from measure import copy_bandwidth, time_ms
+from measure import copy_bandwidth, rotary_inputs, time_ms
 
 rot = importlib.import_module("pintail.rotary")
 
@@ -19,13 +19,8 @@ rot = importlib.import_module("pintail.rotary")
 def main():
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
-    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
     interleaved = "--interleaved" in sys.argv
-    table = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
-    cos, sin = table.cos(), table.sin()
+    q, k, cos, sin = rotary_inputs(interleaved)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     nbytes = 2 * 2 * (q.numel() + k.numel())
     default = (rot.TILE_FEATURES, rot.HEADS_PER_STEP, rot.NUM_WARPS)
