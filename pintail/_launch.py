@@ -74,13 +74,13 @@ def rows_tail(N: int) -> tuple:
     return (head, tail) if 0 < tail < head else (block_n, 0)
 
 
-def vector_tail(num_warps: int, values: int = 8) -> int:
-    """The narrowest TAIL (rows_tail) of a rows kernel at num_warps that holds `values` a
-    thread; 8: a 16-byte vector of 16-bit values. A narrower tail tile took 8-byte loads and a
-    layout of its own, converted with 27-30 barriers a row against 11 (sm_90); on the H200,
-    bf16, LayerNorm's forward at 4608 = 4096 + 512 / 4 warps read 0.60 of copy, with the tail
-    widened (masked) to 1024 0.93 (session 34)."""
-    return values * 32 * num_warps
+def widened_tail(tail: int, num_warps: int, values: int = 8) -> int:
+    """A rows kernel's TAIL (rows_tail's cut) widened, masked, to hold at least `values` a
+    thread at num_warps; 8: a 16-byte vector of 16-bit values. A narrower tail tile took
+    8-byte loads and a layout of its own, converted with 27-30 barriers a row against 11
+    (sm_90); on the H200, bf16, LayerNorm's forward at 4608 = 4096 + 512 / 4 warps read 0.60
+    of copy, with the tail widened to 1024 0.93 (session 34)."""
+    return max(tail, values * 32 * num_warps)
 
 
 def whole_tiles(M: int, N: int, cfg: dict) -> bool:

@@ -48,7 +48,7 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, aligned, cdiv, in_row, launch, next_power_of_2, no_second_derivative,
                       pack_pairs, packs_into_words, program_slots, row_alignment, rows_tail, runs_kernels,
-                      unit_stride, unpack_pairs, vector_tail, whole_tiles)
+                      unit_stride, unpack_pairs, whole_tiles, widened_tail)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -881,7 +881,7 @@ RMS_ONE_CHUNK_FILLED = (1024, 8192)
 # two rows a program lost 0.03-0.4. RMSNorm (no residual) of 8193-10240 likewise (8192 +
 # 2048 at 8 warps). Session 31, two runs: 10240 0.919 / 0.919 (the long plan's 16384 / 8) ->
 # 0.936 / 0.948 (16 warps 0.90, two rows 0.77). The tail takes at least 16 bytes a thread
-# (widened, masked, to _launch.vector_tail) and the head no column mask: session 34, kernel alone, the plan
+# (widened, masked: _launch.widened_tail) and the head no column mask: session 34, kernel alone, the plan
 # before -> this: LayerNorm 4352 / 4608 / 8704 / 9216 0.67 / 0.60 / 0.62 / 0.50 -> 0.91 / 0.93
 # / 0.85 / 0.875 (9728 0.90 either way); RMSNorm 8704 / 9216 0.853 / 0.880 (long plan) ->
 # 0.937 / 0.936 (session 31's 9216 loss was the 1024 tail at 8 warps: 8-byte loads).
@@ -913,7 +913,7 @@ BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32
                  "layer": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 16, 1)]}
 # The backward as two tiles, one row a tile, where rows_tail cuts the row so, without a
 # residual's gradient, by kind: (values a thread the tail holds at least: widened, masked,
-# to _launch.vector_tail, [(row length from, up to, warps, programs per SM)]). RMSNorm at
+# by _launch.widened_tail, [(row length from, up to, warps, programs per SM)]). RMSNorm at
 # 4097-6144 (4096 + a tail) and 8193-12288 (8192 + a tail). Session 30, kernel alone, H200,
 # bf16, weight (tune_norm.py --tails), the default -> this: 5120 / 6144 0.70 / 0.78 (8192 /
 # 32 warps) -> 0.87 / 0.87 (4 warps, 2 an SM; 8-32 warps 0.69-0.75); 10240 / 12288 0.82 /
@@ -997,7 +997,7 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
         head, tail = rows_tail(N)
         if tail:
             warps = max(2, head // 1024)
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": max(tail, vector_tail(warps)),
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": widened_tail(tail, warps),
                     "num_warps": warps}
     for limit, plan, size, warps in FORWARD_PLANS[kind]:
         if N > limit:
@@ -1023,7 +1023,7 @@ def backward_config(N, rms, dh=False, clusters=False):
     head, tail = rows_tail(N)
     for low, high, warps, per_sm in ranges if tail and not dh else ():
         if low < N <= high:
-            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": max(tail, vector_tail(warps, values)),
+            return {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": widened_tail(tail, warps, values),
                     "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
     past, across = BACKWARD_CLUSTER[_kind(rms)]
     for limit, block, warps, ahead in across if clusters and not dh and N > past else ():

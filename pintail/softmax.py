@@ -36,8 +36,8 @@ import triton.language as tl
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
                       empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
-                      packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, vector_tail,
-                      whole_tiles)
+                      packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, whole_tiles,
+                      widened_tail)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -530,7 +530,7 @@ PART_FILLED_ROWS = (1024, 8192, {"BLOCK_M": 1, "num_warps": 4})
 PART_FILLED_CLUSTER_TILE = 16384
 # 16-bit rows of 8193-10240 that are whole 16-byte vectors (length, strides, starts) go
 # forward as two tiles (_launch.rows_tail: 10240 = 8192 + 2048) one a program at 4 warps,
-# the tail at least 1024 (_launch.vector_tail), where the cluster of 8192-element slices
+# the tail at least 1024 (_launch.widened_tail), where the cluster of 8192-element slices
 # above leaves its second CTA mostly idle. Session 33, kernel alone, bf16, 10240, cluster ->
 # two tiles: softmax 0.871 -> 0.933, log_softmax 0.825 -> 0.923 (8 warps 0.84 / 0.83: 58
 # registers and 11 barriers a row keep fewer bytes in flight). Session 34, softmax /
@@ -672,7 +672,7 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False, ve
     low, high, two_tiles = FORWARD_TWO_TILES
     if vectors and item_size == 2 and low < N <= high:
         head, tail = rows_tail(N)
-        return {**two_tiles, "BLOCK_N": head, "TAIL": max(tail, vector_tail(two_tiles["num_warps"]))}
+        return {**two_tiles, "BLOCK_N": head, "TAIL": widened_tail(tail, two_tiles["num_warps"])}
     low, high, packed = FORWARD_PACKED
     two_pass = N * item_size <= FORWARD_TWO_PASS_ROW_BYTES
     cfg = _config(N, FORWARD_ROWS, FORWARD_TWO_PASS[log] if two_pass else FORWARD_SPLIT)

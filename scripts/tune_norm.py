@@ -15,6 +15,7 @@ import torch
 from measure import copy_bandwidth, print_best, record
 
 norm = importlib.import_module("pintail.norm")
+launch = importlib.import_module("pintail._launch")
 
 
 def configs(direction, N, rms):
@@ -44,14 +45,15 @@ def configs(direction, N, rms):
                 if 4 <= rows * (head + tail) // (32 * warps) <= (96 if rows == 1 else 64):
                     # and a tail of 16 bytes a thread, masked, where the row's holds less
                     out += [{"plan": "rows", "BLOCK_M": rows, "BLOCK_N": head, "TAIL": t, "num_warps": warps}
-                            for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
+                            for t in sorted({tail, launch.widened_tail(tail, warps)}) if t < head]
     if direction == "bwd" and N <= 16384 and tail:
         for warps in (4, 8, 16, 32):
             if 2 <= (head + tail) // (32 * warps) <= 64:
                 out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps,
                          "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2)
                         # the tail as cut, or widened to 8 or 16 bytes a thread (session 35)
-                        for t in sorted({tail, max(tail, 128 * warps), max(tail, 256 * warps)}) if t < head]
+                        for t in sorted({tail, launch.widened_tail(tail, warps, 4), launch.widened_tail(tail, warps)})
+                        if t < head]
     if direction == "fwd" and N <= 32768:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
         # (compile's RMSNorm at 32768: one 32768 chunk, 32 warps, 0.94)
         for warps in (1, 2, 4, 8, 16, 32):

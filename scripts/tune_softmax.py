@@ -37,7 +37,7 @@ def configs(N, direction):
         for warps in (2, 4, 8, 16):
             if 4 <= head // (32 * warps) <= 128:
                 out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps}
-                        for t in sorted({tail, max(tail, 256 * warps)}) if t < head]
+                        for t in sorted({tail, launch.widened_tail(tail, warps)}) if t < head]
     if N < 16384 and N < block_n * 0.99 and direction == "fwd":
         # rows that fill their power-of-two tile less than 0.99 (2560, 3072, 5120, 6144, 12288):
         # the two-pass forward in chunks that fill the row (the second pass reads it from L2;
