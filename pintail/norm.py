@@ -415,30 +415,52 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
-def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride, eps,
-                            weight_offset, WORDS, ROUNDS, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            STATS: tl.constexpr, BLOCK: tl.constexpr, CLUSTER: tl.constexpr,
-                            CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr):
-    # RMSNorm without a residual, a row across the CLUSTER CTAs of a cluster (softmax's
-    # cluster plan), the clusters persistent: CTA `rank` holds slice `rank` of the row in
-    # registers, trades its sum of squares with its peers and writes its slice of y: x read
-    # once, y written once. The weight and bias are re-read each row after the exchange (L1 /
-    # L2), so their registers are not live across it.
+def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride,
+                            eps, weight_offset, WORDS, ROUNDS, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
+                            CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr):
+    # A row without a residual across the CLUSTER CTAs of a cluster (softmax's cluster plan),
+    # the clusters persistent: CTA `rank` holds slice `rank` of the row in registers, trades
+    # its statistics with its peers (RMSNorm: its sum of squares; LayerNorm: its sums of x
+    # shifted by the row's first value, and for a flagged row a second round, _moments) and
+    # writes its slice of y: x read once, y written once. The weight and bias are re-read each row after the
+    # exchange (L1 / L2), so their registers are not live across it.
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
+    exchanges = 0  # the exchanges' count so far: LayerNorm's flagged rows take two
     for i in range(0, ROUNDS):
         row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0), token,
-                                             CLUSTER, CLUSTER_POW2)
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
-        y = x * rstd
+        if RMS:
+            _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0),
+                                                 token, CLUSTER, CLUSTER_POW2)
+            mean = 0.0
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
+        else:  # one exchange of the shifted sums about the row's first value, as the rows kernel
+            pilot = tl.load(x_ptr + row64 * x_row_stride, mask=in_rows, other=0.0).to(tl.float32)
+            squares, sums = _shifted_sums(x, pilot, mask, 0)
+            all_squares, all_sums, token = cluster.exchange(WORDS, exchanges, squares, sums, token, CLUSTER,
+                                                            CLUSTER_POW2)
+            exchanges += 1
+            peers = tl.arange(0, CLUSTER_POW2)  # the exchange pads its first values with -inf
+            shifted_mean, var, flagged = _moments(tl.sum(tl.where(peers < CLUSTER, all_squares, 0.0), axis=0),
+                                                  tl.sum(all_sums, axis=0), inv_n)
+            mean = pilot + shifted_mean
+            if flagged:  # rare; every CTA has the same sums, so the whole cluster trades again
+                deviations, drift = _deviation_sums(x, mean, mask, 0)
+                all_deviations, all_drifts, token = cluster.exchange(WORDS, exchanges, deviations, drift, token,
+                                                                     CLUSTER, CLUSTER_POW2)
+                exchanges += 1
+                mean, var = _corrected(mean, tl.sum(tl.where(peers < CLUSTER, all_deviations, 0.0), axis=0),
+                                       tl.sum(all_drifts, axis=0), inv_n)
+            rstd = 1.0 / tl.sqrt(var + eps)
+        y = (x - mean) * rstd
         if HAS_WEIGHT:
             y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
         if HAS_BIAS:
@@ -446,6 +468,8 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, M, N, inv_n, x
         tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
             tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
+            if not RMS:
+                tl.store(mean_ptr + row, mean, mask=in_rows & (rank == 0))
 
 
 # ---------------------------------------------------------------------------- backward
@@ -899,14 +923,20 @@ RMS_ONE_CHUNK = (24576, 32768, {"plan": "long", "BLOCK": 32768, "num_warps": 32,
 # (_forward_packed_kernel), 16 warps, the output in 4 parts. Kernel alone, H200, bf16
 # (scripts/exp_norm_long_warps.py, session 14): 0.845 at 32768 against the long plan's 0.796.
 LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16, "PARTS": 4})
-# RMSNorm without a residual past 32768, where the GPU has thread-block clusters: persistent
-# clusters (_forward_cluster_kernel), (row length up to, slice, warps). Kernel alone, H200,
-# bf16, a weight (tune_norm.py, session 19): 0.89 / 0.88 / 0.83 at 65536 / 131072 / 262144
-# (4096 / 4, 8192 / 4, 16384 / 8 warps) against the split plan's 0.81 / 0.80 / 0.79; 16 warps
-# a CTA 0.50-0.60. In sessions 17-18's experiment (exp_norm_cluster.py) loading the next row
-# ahead lost (0.84 / 0.80 at 131072 / 262144), and so did one row a cluster (0.77 / 0.70);
-# LayerNorm gained nothing across a cluster (0.65-0.67 against the split plan's 0.68).
-FORWARD_CLUSTER_RMS = [(65536, 4096, 4), (131072, 8192, 4), (262144, 16384, 8)]
+# Rows without a residual past 32768, where the GPU has thread-block clusters: persistent
+# clusters (_forward_cluster_kernel), by kind (row length up to, launch config). Kernel alone,
+# H200, bf16, a weight (tune_norm.py, session 19): RMSNorm 0.89 / 0.88 / 0.83 at 65536 /
+# 131072 / 262144 (4096 / 4, 8192 / 4, 16384 / 8 warps) against the split plan's 0.81 / 0.80
+# / 0.79; 16 warps a CTA 0.50-0.60. In sessions 17-18's experiment (exp_norm_cluster.py)
+# loading the next row ahead lost (0.84 / 0.80 at 131072 / 262144), and so did one row a
+# cluster (0.77 / 0.70). LayerNorm (weight and bias, session 37): one exchange of the shifted
+# sums a row, capped at 128 registers (159 uncapped: 3 CTAs an SM, 0.66) for 4 CTAs an SM,
+# 0.74 / 0.73 at 65536 / 131072 against the split plan's 0.71 / 0.69; at 262144 (16384 / 8
+# warps, capped) 0.68, a tie, so the split plan stays there. Each slice's mean and squared
+# deviations combined by Chan's formula (two reductions before the exchange) read 0.60-0.68.
+FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"BLOCK": 8192, "num_warps": 4}),
+                           (262144, {"BLOCK": 16384, "num_warps": 8})],
+                   "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -1010,9 +1040,9 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    for limit, block, warps in FORWARD_CLUSTER_RMS if kind == "rms" and clusters else ():
+    for limit, cfg in FORWARD_CLUSTER.get(kind, ()) if clusters else ():
         if N <= limit:
-            return {"plan": "cluster", "BLOCK": block, "num_warps": warps}
+            return {"plan": "cluster", **cfg}
     return FORWARD_SPLIT[kind]
 
 
@@ -1062,9 +1092,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
     packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
     cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device))
-    if cfg["plan"] == "cluster" and not (rms and residual is None):
-        raise ValueError(f"pintail: the forward's cluster plan is RMSNorm's without a residual; got rms={rms}, "
-                         f"residual={'given' if residual is not None else None}")
+    if cfg["plan"] == "cluster" and residual is not None:
+        raise ValueError("pintail: the forward's cluster plan takes rows without a residual; got a residual")
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
@@ -1094,10 +1123,11 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align, STATS=stats)
     elif cfg["plan"] == "cluster":
         ctas = cdiv(N, cfg["BLOCK"])
-        cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, rstd, M, N, 1.0 / N, x.stride(0),
-                       y.stride(0), eps, weight_offset, 0, 1, HAS_WEIGHT=weight is not None,
+        cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, mean, rstd, M, N, 1.0 / N,
+                       x.stride(0), y.stride(0), eps, weight_offset, 0, 1, RMS=rms, HAS_WEIGHT=weight is not None,
                        HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
-                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, num_warps=cfg["num_warps"])
+                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, num_warps=cfg["num_warps"],
+                       maxnreg=cfg.get("maxnreg"))
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

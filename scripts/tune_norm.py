@@ -3,7 +3,7 @@ weight; LayerNorm with a bias too) and print each one's fraction of the copy ban
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
     python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
-                                [--default-only] [--first-stands-out]
+                                [--default-only] [--first-stands-out] [--plans cluster,split]
 """
 
 import argparse
@@ -94,10 +94,15 @@ def configs(direction, N, rms):
                 for block, warps in ((512, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
                 if 2 <= -(-N // block) <= 16
                 for ahead in (False, True)]
-    if direction == "fwd" and rms and N > 32768:  # RMSNorm across persistent clusters (2-16 CTAs a row)
+    if direction == "fwd" and N > 32768:  # across persistent clusters (2-16 CTAs a row; no residual)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps}
                 for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))
                 if 2 <= -(-N // block) <= 16]
+        # capped at the registers that fit one more CTA an SM (LayerNorm's take 159 at 8192 / 4
+        # warps: 3 an SM; 128 fits 4, no stack, sm_90 on the CPU)
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "maxnreg": cap}
+                for block, warps, cap in ((8192, 4, 128), (16384, 8, 128), (8192, 8, 64), (4096, 4, 64))
+                if 2 <= -(-N // block) <= 16 and not rms]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
@@ -124,6 +129,7 @@ def main():
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
+    p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
     p.add_argument("--first-stands-out", action="store_true",
                    help="every row's first value 1000 (LayerNorm's worst case: every row flagged, norm._moments)")
     args = p.parse_args()
@@ -150,6 +156,9 @@ def main():
             candidates = [default] if args.default_only else configs(direction, N, rms)
             if args.tails:
                 candidates = [default] + [cfg for cfg in candidates if "TAIL" in cfg and cfg != default]
+            if args.plans:
+                candidates = [default] + [cfg for cfg in candidates
+                                          if cfg["plan"] in args.plans.split(",") and cfg != default]
             for cfg in candidates:
                 if direction == "fwd":
                     fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)

@@ -26,7 +26,7 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "ROWS_TAIL", {})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
-        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_RMS", [])
+        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER", {})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
@@ -696,28 +696,31 @@ def test_backward_plans_with_clusters():
 
 
 def test_forward_plans_with_clusters():
-    """Where the GPU has thread-block clusters, RMSNorm's forward of rows of 32769-262144
-    without a residual goes across persistent clusters (slices of 4096 to 65536, 8192 to
-    131072, then 16384); with a residual, for LayerNorm, and past 262144 the plans stay as they were."""
+    """Where the GPU has thread-block clusters, the forward of rows without a residual goes
+    across persistent clusters: RMSNorm's of 32769-262144 (slices of 4096 to 65536, 8192 to
+    131072, then 16384), LayerNorm's of 32769-131072 (slices of 8192 at 128 registers); with
+    a residual and past those lengths the plans stay as they were."""
     config = lambda N, rms=True, residual=False: norm_module.forward_config(N, rms, residual, clusters=True)
     assert config(32768) == norm_module.forward_config(32768, True)
     assert config(32769) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4}
     assert config(65537) == config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
     assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8}
+    assert config(262145)["plan"] == "split"
+    assert config(32768, False) == norm_module.forward_config(32768, False)
+    assert (config(32769, False) == config(131072, False)
+            == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128})
+    assert config(131073, False) == norm_module.forward_config(131073, False) == norm_module.FORWARD_SPLIT["layer"]
     for N in (1000, 32769, 262144, 262145):
         assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
-        assert config(N, rms=False) == norm_module.forward_config(N, False)
-    assert config(262145)["plan"] == "split"
 
 
-@pytest.mark.parametrize("kind, residual", [("rms", True), ("layer", False)])
-def test_forward_cluster_plan_refused_where_it_does_not_apply(kind, residual, device):
-    """The cluster forward normalises RMSNorm rows without a residual only: asked for another
-    case, it raises rather than computing something else."""
+def test_forward_cluster_plan_refused_with_a_residual(device):
+    """The cluster forward normalises rows without a residual only: asked for one, it raises
+    rather than computing something else."""
     x = torch.randn(3, 40, device=device)
     cfg = {"plan": "cluster", "BLOCK": 16, "num_warps": 4}
-    with pytest.raises(ValueError, match="RMSNorm's without a residual"):
-        norm_module._forward(x, x if residual else None, None, None, 1e-6, 0.0, kind == "rms", x.dtype, cfg)
+    with pytest.raises(ValueError, match="without a residual"):
+        norm_module._forward(x, x, None, None, 1e-6, 0.0, True, x.dtype, cfg)
 
 
 @pytest.fixture
@@ -794,6 +797,53 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
     # the backward (its own plan) runs across a cluster too up to 131072
     assert cluster_launched[:1] == ["_forward_cluster_kernel"] and "_forward_cluster_kernel" not in cluster_launched[1:]
     assert not any("forward" in name for name in launched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [32769, 40008, 65536, 100003, 131072])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+def test_layer_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
+    """LayerNorm's forward across persistent clusters, as RMSNorm's above: against float64
+    torch through autograd, more rows than clusters fit, the last slice masked where N is not
+    a multiple of the slice."""
+    x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
+    w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
+    b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
+    launched, cluster_launched = launched_kernels(monkeypatch), cluster_launches(monkeypatch)
+    check("layer", x, (N,), w, b)
+    assert cluster_launched[:1] == ["_forward_cluster_kernel"] and "_forward_cluster_kernel" not in cluster_launched[1:]
+    assert not any("forward" in name for name in launched)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_layer_forward_across_a_cluster_statistics(stats, cluster_device):
+    """mean and rstd against float64 for rows whose float32 sums would cancel (a mean of 1000
+    with a spread of 0.1; a first value of 1000 or -500 among unit normals: flagged), a constant row, a row
+    whose squares overflow float32 (variance inf, rstd 0: y is the bias, as torch's) and
+    random rows; stored for training only; y the same either way."""
+    M, N = 40, 131072
+    x = torch.randn(M, N, device=cluster_device)
+    x[2] = x[2] * 0.1 + 1000.0
+    x[3, 0] = 1000.0
+    x[5] = 7.0
+    x[9] = x[9] * 1e20
+    x[20:30, 0] = -500.0  # flagged rows one after another in every cluster: two exchanges each
+    w, b = torch.randn(N, device=cluster_device), torch.randn(N, device=cluster_device)
+    assert norm_module.forward_config(N, False, clusters=True)["plan"] == "cluster"
+    y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype, stats=stats)
+    x64 = x.double()
+    mean64, var64 = x64.mean(-1), x64.var(-1, unbiased=False)
+    rstd64 = 1 / torch.sqrt(var64 + 1e-5)
+    want = (x64 - mean64[:, None]) * rstd64[:, None] * w.double() + b.double()
+    kept = torch.arange(M, device=cluster_device) != 9
+    assert_matches(y[kept], want[kept], F.layer_norm(x, (N,), w, b, 1e-5)[kept], unit=1.0, factor=4)
+    torch.testing.assert_close(y[9], b)
+    if stats:
+        torch.testing.assert_close(mean.double()[kept], mean64[kept], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rstd.double()[kept], rstd64[kept], rtol=1e-4, atol=0)
+        assert rstd[9] == 0
+    else:
+        assert mean.numel() == rstd.numel() == 0
 
 
 @pytest.mark.parametrize("stats", [True, False])
