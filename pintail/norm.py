@@ -430,7 +430,7 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
-    exchanges = 0  # the exchanges' count so far: LayerNorm's flagged rows take two
+    exchanges = 0  # the exchanges so far (they take the buffers in turn): LayerNorm's flagged rows take two
     for i in range(0, ROUNDS):
         row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
         in_rows = row < M
@@ -438,8 +438,9 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
         row64 = row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if RMS:
-            _, squares, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), tl.sum(x * x, axis=0),
-                                                 token, CLUSTER, CLUSTER_POW2)
+            _, squares, token = cluster.exchange(WORDS, exchanges, tl.full((), 0.0, tl.float32),
+                                                 tl.sum(x * x, axis=0), token, CLUSTER, CLUSTER_POW2)
+            exchanges += 1
             mean = 0.0
             rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
         else:  # one exchange of the shifted sums about the row's first value, as the rows kernel
@@ -449,16 +450,16 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
                                                             CLUSTER_POW2)
             exchanges += 1
             peers = tl.arange(0, CLUSTER_POW2)  # the exchange pads its first values with -inf
-            shifted_mean, var, flagged = _moments(tl.sum(tl.where(peers < CLUSTER, all_squares, 0.0), axis=0),
-                                                  tl.sum(all_sums, axis=0), inv_n)
+            shifted_mean, var, flagged = _moments(*_pair_sums(tl.where(peers < CLUSTER, all_squares, 0.0), all_sums, 0),
+                                                  inv_n)
             mean = pilot + shifted_mean
             if flagged:  # rare; every CTA has the same sums, so the whole cluster trades again
                 deviations, drift = _deviation_sums(x, mean, mask, 0)
                 all_deviations, all_drifts, token = cluster.exchange(WORDS, exchanges, deviations, drift, token,
                                                                      CLUSTER, CLUSTER_POW2)
                 exchanges += 1
-                mean, var = _corrected(mean, tl.sum(tl.where(peers < CLUSTER, all_deviations, 0.0), axis=0),
-                                       tl.sum(all_drifts, axis=0), inv_n)
+                mean, var = _corrected(mean, *_pair_sums(tl.where(peers < CLUSTER, all_deviations, 0.0), all_drifts, 0),
+                                       inv_n)
             rstd = 1.0 / tl.sqrt(var + eps)
         y = (x - mean) * rstd
         if HAS_WEIGHT:
