@@ -150,6 +150,16 @@ def exchange(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.co
 
 
 @triton.jit
+def exchange_sums(WORDS, i, a, b, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
+    """Row i of this cluster, for two sums: send (a, b) (float32) to every CTA of the cluster
+    and return the sums of every CTA's a and of every CTA's b, in rank order (every CTA adds
+    the same words in the same order: the same bits), and a new token."""
+    all_a, all_b, token = exchange(WORDS, i, a, b, token, CLUSTER, CLUSTER_POW2)
+    real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # the padding's first values are -inf
+    return tl.sum(tl.where(real, all_a, 0.0), axis=0), tl.sum(all_b, axis=0), token
+
+
+@triton.jit
 def send(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr):
     """Send row i's (hi, lo) (two float32) to every CTA of the cluster; a new token."""
     bar = WORDS + (i % BUFFERS) * 8 + token * 0

@@ -439,28 +439,25 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
         row64 = row.to(tl.int64)
         x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if RMS:
-            _, squares, token = cluster.exchange(WORDS, exchanges, tl.full((), 0.0, tl.float32),
-                                                 tl.sum(x * x, axis=0), token, CLUSTER, CLUSTER_POW2)
+            _, squares, token = cluster.exchange_sums(WORDS, exchanges, tl.full((), 0.0, tl.float32),
+                                                      tl.sum(x * x, axis=0), token, CLUSTER, CLUSTER_POW2)
             exchanges += 1
             mean = 0.0
-            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) * inv_n + eps)
+            rstd = 1.0 / tl.sqrt(squares * inv_n + eps)
         else:  # one exchange of the shifted sums about the row's first value, as the rows kernel
             pilot = tl.load(x_ptr + row64 * x_row_stride, mask=in_rows, other=0.0).to(tl.float32)
             squares, sums = _shifted_sums(x, pilot, mask, 0)
-            all_squares, all_sums, token = cluster.exchange(WORDS, exchanges, squares, sums, token, CLUSTER,
-                                                            CLUSTER_POW2)
+            squares, sums, token = cluster.exchange_sums(WORDS, exchanges, squares, sums, token, CLUSTER,
+                                                         CLUSTER_POW2)
             exchanges += 1
-            peers = tl.arange(0, CLUSTER_POW2)  # the exchange pads its first values with -inf
-            shifted_mean, var, flagged = _moments(*_pair_sums(tl.where(peers < CLUSTER, all_squares, 0.0), all_sums, 0),
-                                                  inv_n)
+            shifted_mean, var, flagged = _moments(squares, sums, inv_n)
             mean = pilot + shifted_mean
             if flagged:  # rare; every CTA has the same sums, so the whole cluster trades again
                 deviations, drift = _deviation_sums(x, mean, mask, 0)
-                all_deviations, all_drifts, token = cluster.exchange(WORDS, exchanges, deviations, drift, token,
-                                                                     CLUSTER, CLUSTER_POW2)
+                deviations, drift, token = cluster.exchange_sums(WORDS, exchanges, deviations, drift, token,
+                                                                 CLUSTER, CLUSTER_POW2)
                 exchanges += 1
-                mean, var = _corrected(mean, *_pair_sums(tl.where(peers < CLUSTER, all_deviations, 0.0), all_drifts, 0),
-                                       inv_n)
+                mean, var = _corrected(mean, deviations, drift, inv_n)
             rstd = 1.0 / tl.sqrt(var + eps)
         y = (x - mean) * rstd
         if HAS_WEIGHT:
@@ -781,7 +778,6 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
         mask = col_mask & (first_row < M)
         x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0)
         dy_next = tl.load(dy_ptr + first_row.to(tl.int64) * dy_row_stride + cols, mask=mask, other=0.0)
-    real = tl.arange(0, CLUSTER_POW2) < CLUSTER  # the exchange pads its first values with -inf
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, ROUNDS):
@@ -806,13 +802,13 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
             g = dy * (tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset)
         else:
             g = dy
-        sums_g, sums_gx, token = cluster.exchange(WORDS, i, tl.sum(g, axis=0), tl.sum(g * x_hat, axis=0), token,
-                                                  CLUSTER, CLUSTER_POW2)
-        mean_gx = tl.sum(sums_gx, axis=0) * inv_n
+        sum_g, sum_gx, token = cluster.exchange_sums(WORDS, i, tl.sum(g, axis=0), tl.sum(g * x_hat, axis=0), token,
+                                                     CLUSTER, CLUSTER_POW2)
+        mean_gx = sum_gx * inv_n
         if RMS:
             dx = rstd * (g - x_hat * mean_gx)
         else:
-            dx = rstd * (g - tl.sum(tl.where(real, sums_g, 0.0), axis=0) * inv_n - x_hat * mean_gx)
+            dx = rstd * (g - sum_g * inv_n - x_hat * mean_gx)
         if HAS_DH:
             dx += tl.load(dh_ptr + row64 * dh_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row64 * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -460,8 +460,9 @@ def _backward_total(y_raw, dy_raw, y_ends, dy_ends, WORDS, i, token, LOG: tl.con
         part += _partial(y_ends, dy_ends, LOG)
     if CLUSTER == 1:  # the whole row in one program
         return part, token
-    _, parts, token = cluster.exchange(WORDS, i, tl.full((), 0.0, tl.float32), part, token, CLUSTER, CLUSTER_POW2)
-    return tl.sum(parts, axis=0), token
+    _, total, token = cluster.exchange_sums(WORDS, i, tl.full((), 0.0, tl.float32), part, token, CLUSTER,
+                                            CLUSTER_POW2)
+    return total, token
 
 
 @triton.jit
