@@ -49,8 +49,9 @@
 #                                                  # and the tree; prints the lines with the default config
 #   bash scripts/device_run.sh profile ["case N" ...] # ncu on one launch of each long-row plan (~1.5 min),
 #                                                  # or of the cases given (scripts/profile_kernel.py)
-#   bash scripts/device_run.sh profile-source     # ncu's warp-stall samples per SASS instruction: RMSNorm blocks
-#                                                  # backward, rotary, softmax split forward (scripts/top_stalls.py)
+#   bash scripts/device_run.sh profile-source ["case N" ...] # ncu's warp-stall samples per SASS instruction:
+#                                                  # RMSNorm blocks backward, rotary, softmax split forward, or the
+#                                                  # cases given (scripts/top_stalls.py)
 #   bash scripts/device_run.sh sanitize           # compute-sanitizer memcheck on the cross-program plans' tests (~1.2 min)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
@@ -150,12 +151,14 @@ case $mode in
                 python3 scripts/profile_kernel.py "$1" "$2" > /tmp/ncu.txt 2>&1
             echo "== $1 $2 (exit $?)"
             (echo "==== $1 $2"; cat /tmp/ncu.txt) >> "$OUT/ncu-reports.txt"
-            grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
+            grep -E "^  [a-z_]+kernel|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Hit Rate|L2 Hit Rate|Achieved Occupancy|Registers Per|Issued Warp|No Eligible" \
                 /tmp/ncu.txt | head -24
         done ;;
     profile-source)  # warp-stall samples per SASS instruction (scripts/top_stalls.py); raw CSVs in $OUT
         ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-        for case in "rms_bwd 131072" "rotary_fwd 4096" "softmax_fwd 131072"; do
+        cases=("$@")  # "case N" pairs, or the list below
+        [ ${#cases[@]} -eq 0 ] && cases=("rms_bwd 131072" "rotary_fwd 4096" "softmax_fwd 131072")
+        for case in "${cases[@]}"; do
             set -- $case
             timeout 150 "$ncu" --clock-control none --profile-from-start off --section SourceCounters \
                 --section WarpStateStats --import-source yes -f -o /tmp/source \
