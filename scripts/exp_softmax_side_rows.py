@@ -72,8 +72,11 @@ def side_split_form(x, k, programs, side, first=None):
 
 
 def forms_of(N, x):
+    """Session 38's forms (its calls 4-7, docs/perf-notes.md)."""
     side, first = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
-    return ([side_rows_form(x, 17, 8192, 8, side)]
+    return ([side_rows_form(x, k, block, warps, side) for block, warps in
+             ((8192, 8), (8192, 16), (16384, 16), (32768, 16), (32768, 32)) for k in (8, 17, 24, 32, 40)]
+            + [side_split_form(x, k, programs, side) for programs in (36, 48, 60) for k in (17, 32, 40, 48, 56)]
             + [side_rows_form(x, k, 8192, 8, side, first) for k in (17, 24, 32, 40)]
             + [side_split_form(x, k, programs, side, first) for programs in (48, 60) for k in (24, 32, 40, 48)])
 
