@@ -414,11 +414,19 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
         ticket = next_ticket
 
 
+@triton.jit
+def _widened_bf16(x):
+    """bf16 x as float32 through its bits: the compiler merges a second x.to(tl.float32)
+    with the first and then holds the float32 values across everything between."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride,
                             eps, weight_offset, WORDS, ROUNDS, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                             HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
-                            CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr):
+                            CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr,
+                            BF16_HELD: tl.constexpr):
     # A row without a residual across the CLUSTER CTAs of a cluster (softmax's cluster plan),
     # the clusters persistent: CTA `rank` holds slice `rank` of the row in registers, trades
     # its statistics with its peers (RMSNorm: its sum of squares; LayerNorm: its sums of x
@@ -426,6 +434,10 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     # writes its slice of y: x read once, y written once. The weight and bias are re-read
     # each row after the exchange, so their registers are not live across it (Nsight
     # Compute, session 38: two in three to three in four of those loads hit L1).
+    # BF16_HELD (LayerNorm, bf16 x): x is held across the exchange in its 16 bits and widened
+    # again after it by a shift (exact), not as float32 (twice the registers): 157 -> 119
+    # registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it at 131072
+    # (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
@@ -437,7 +449,8 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x_held = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+        x = x_held.to(tl.float32)
         if RMS:
             _, squares, token = cluster.exchange_sums(WORDS, exchanges, tl.full((), 0.0, tl.float32),
                                                       tl.sum(x * x, axis=0), token, CLUSTER, CLUSTER_POW2)
@@ -453,12 +466,16 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
             shifted_mean, var, flagged = _moments(squares, sums, inv_n)
             mean = pilot + shifted_mean
             if flagged:  # rare; every CTA has the same sums, so the whole cluster trades again
+                if BF16_HELD:
+                    x = _widened_bf16(x_held)
                 deviations, drift = _deviation_sums(x, mean, mask, 0)
                 deviations, drift, token = cluster.exchange_sums(WORDS, exchanges, deviations, drift, token,
                                                                  CLUSTER, CLUSTER_POW2)
                 exchanges += 1
                 mean, var = _corrected(mean, deviations, drift, inv_n)
             rstd = 1.0 / tl.sqrt(var + eps)
+        if BF16_HELD:
+            x = _widened_bf16(x_held)
         y = (x - mean) * rstd
         if HAS_WEIGHT:
             y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
@@ -1124,8 +1141,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, mean, rstd, M, N, 1.0 / N,
                        x.stride(0), y.stride(0), eps, weight_offset, 0, 1, RMS=rms, HAS_WEIGHT=weight is not None,
                        HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
-                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, num_warps=cfg["num_warps"],
-                       maxnreg=cfg.get("maxnreg"))
+                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, BF16_HELD=x.dtype == torch.bfloat16 and not rms,
+                       num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

@@ -815,12 +815,14 @@ def test_layer_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_d
     assert not any("forward" in name for name in launched)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("stats", [True, False])
-def test_layer_forward_across_a_cluster_statistics(stats, cluster_device):
+def test_layer_forward_across_a_cluster_statistics(stats, dtype, cluster_device):
     """mean and rstd against float64 for rows whose float32 sums would cancel (a mean of 1000
     with a spread of 0.1; a first value of 1000 or -500 among unit normals: flagged, a second
     exchange), a constant row, a row whose squares overflow float32 (variance inf, rstd 0: y
-    is the bias, as torch's) and random rows; stored for training only; y the same either way."""
+    is the bias, as torch's) and random rows; stored for training only; y the same either way.
+    bf16: x held in its 16 bits across the exchanges and widened again (BF16_HELD)."""
     M, N = 40, 131072
     x = torch.randn(M, N, device=cluster_device)
     x[2] = x[2] * 0.1 + 1000.0
@@ -828,7 +830,8 @@ def test_layer_forward_across_a_cluster_statistics(stats, cluster_device):
     x[5] = 7.0
     x[9] = x[9] * 1e20
     x[20:30, 0] = -500.0  # flagged rows in successive rounds of a cluster: the exchanges' count
-    w, b = torch.randn(N, device=cluster_device), torch.randn(N, device=cluster_device)
+    x = x.to(dtype)
+    w, b = torch.randn(N, device=cluster_device, dtype=dtype), torch.randn(N, device=cluster_device, dtype=dtype)
     assert norm_module.forward_config(N, False, clusters=True)["plan"] == "cluster"
     y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype, stats=stats)
     x64 = x.double()
