@@ -421,12 +421,25 @@ def _widened_bf16(x):
     return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _cluster_row(x_ptr, row, M, cols, col_mask, x_row_stride, RMS: tl.constexpr):
+    """This CTA's slice of x's row (its own dtype; zeros past M) and, for LayerNorm, the
+    row's first value as float32 (the pilot its sums are shifted by)."""
+    in_rows = row < M
+    row64 = row.to(tl.int64)
+    x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=col_mask & in_rows, other=0.0)
+    pilot = 0.0
+    if not RMS:
+        pilot = tl.load(x_ptr + row64 * x_row_stride, mask=in_rows, other=0.0).to(tl.float32)
+    return x, pilot
+
+
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
 def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride,
                             eps, weight_offset, WORDS, ROUNDS, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                             HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
                             CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr,
-                            BF16_HELD: tl.constexpr):
+                            BF16_HELD: tl.constexpr, AHEAD: tl.constexpr = False):
     # A row without a residual across the CLUSTER CTAs of a cluster (softmax's cluster plan),
     # the clusters persistent: CTA `rank` holds slice `rank` of the row in registers, trades
     # its statistics with its peers (RMSNorm: its sum of squares; LayerNorm: its sums of x
@@ -444,12 +457,18 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
     exchanges = 0  # the exchanges so far (they take the buffers in turn): LayerNorm's flagged rows take two
+    if AHEAD:
+        x_next, pilot_next = _cluster_row(x_ptr, first_row, M, cols, col_mask, x_row_stride, RMS)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
-        x_held = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0)
+        if AHEAD:
+            x_held, pilot = x_next, pilot_next
+            x_next, pilot_next = _cluster_row(x_ptr, row + clusters, M, cols, col_mask, x_row_stride, RMS)
+        else:
+            x_held, pilot = _cluster_row(x_ptr, row, M, cols, col_mask, x_row_stride, RMS)
         x = x_held.to(tl.float32)
         if RMS:
             _, squares, token = cluster.exchange_sums(WORDS, exchanges, tl.full((), 0.0, tl.float32),
@@ -458,7 +477,6 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
             mean = 0.0
             rstd = 1.0 / tl.sqrt(squares * inv_n + eps)
         else:  # one exchange of the shifted sums about the row's first value, as the rows kernel
-            pilot = tl.load(x_ptr + row64 * x_row_stride, mask=in_rows, other=0.0).to(tl.float32)
             squares, sums = _shifted_sums(x, pilot, mask, 0)
             squares, sums, token = cluster.exchange_sums(WORDS, exchanges, squares, sums, token, CLUSTER,
                                                          CLUSTER_POW2)
@@ -952,6 +970,17 @@ LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16
 FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"BLOCK": 8192, "num_warps": 4}),
                            (262144, {"BLOCK": 16384, "num_warps": 8})],
                    "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})]}
+# bf16 rows: x held in its 16 bits across the exchange (HELD) leaves the registers to load
+# the next row's x before this row's exchange (AHEAD), so its HBM latency hides under the
+# exchange and the stores, where the stall samples put the waits (session 39). Kernel alone,
+# H200, weight (LayerNorm: and bias), session 40 sweep, before -> this: LayerNorm 0.758 / 0.751
+# -> 0.776 / 0.777 at 65536 / 131072, 0.696 (split plan) -> 0.753 at 262144; RMSNorm 0.827 ->
+# 0.877 at 262144 (at 65536 / 131072 ahead ties: 0.879 / 0.878 against 0.874 / 0.878).
+FORWARD_CLUSTER_BF16 = {
+    "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})],
+    "layer": [(65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
+              (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
+              (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -1024,12 +1053,12 @@ def _kind(rms):
     return "rms" if rms else "layer"
 
 
-def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters=False):
+def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters=False, bf16=False):
     """The forward's plan for rows of N. narrow: 2-byte x, weight and y, no bias, rows and
     strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
     register cap. packable: x, y, weight and bias of one 16-bit dtype, rows of even length
     starting 4-byte aligned (LayerNorm's packed plan). clusters: the GPU runs thread-block
-    clusters (_cluster.available)."""
+    clusters (_cluster.available). bf16: x is bfloat16 (FORWARD_CLUSTER_BF16)."""
     kind = _kind(rms) + ("+residual" if residual else "")
     low, high, one_chunk = RMS_ONE_CHUNK
     if kind == "rms" and narrow and low < N <= high:
@@ -1055,7 +1084,7 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
             return {"plan": "long", "BLOCK": size, "num_warps": warps}
         block_n = next_power_of_2(N)
         return {"plan": "rows", "BLOCK_M": max(1, size // block_n), "BLOCK_N": block_n, "num_warps": warps}
-    for limit, cfg in FORWARD_CLUSTER.get(kind, ()) if clusters else ():
+    for limit, cfg in (FORWARD_CLUSTER_BF16 if bf16 else FORWARD_CLUSTER).get(kind, ()) if clusters else ():
         if N <= limit:
             return {"plan": "cluster", **cfg}
     return FORWARD_SPLIT[kind]
@@ -1106,7 +1135,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
     packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
-    cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device))
+    cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device),
+                                   x.dtype == torch.bfloat16)
     if cfg["plan"] == "cluster" and residual is not None:
         raise ValueError("pintail: the forward's cluster plan takes rows without a residual; got a residual")
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
@@ -1141,7 +1171,8 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, mean, rstd, M, N, 1.0 / N,
                        x.stride(0), y.stride(0), eps, weight_offset, 0, 1, RMS=rms, HAS_WEIGHT=weight is not None,
                        HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
-                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align, BF16_HELD=x.dtype == torch.bfloat16 and not rms,
+                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align,
+                       BF16_HELD=x.dtype == torch.bfloat16 and cfg.get("HELD", not rms), AHEAD=cfg.get("AHEAD", False),
                        num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)

@@ -103,6 +103,14 @@ def configs(direction, N, rms):
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "maxnreg": cap}
                 for block, warps, cap in ((8192, 4, 128), (16384, 8, 128), (8192, 8, 64), (4096, 4, 64))
                 if 2 <= -(-N // block) <= 16 and not rms]
+    if direction == "fwd" and N > 32768:  # the next row's x loaded ahead, x held in 16 bits (session 40)
+        out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True, "HELD": True, **cap}
+                for block, warps, cap in ((4096, 4, {}), (8192, 4, {"maxnreg": 128}), (8192, 4, {}),
+                                          (16384, 8, {"maxnreg": 128}), (16384, 8, {}))
+                if 2 <= -(-N // block) <= 16]
+        if rms:  # RMSNorm: ahead without holding x (168 registers uncapped at 8192 / 4 warps)
+            out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True}
+                    for block, warps in ((4096, 4), (8192, 4)) if 2 <= -(-N // block) <= 16]
     if direction == "fwd" and N >= 32768:
         for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8)):
             out += [{"plan": "split", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm,
@@ -113,6 +121,10 @@ def configs(direction, N, rms):
 def forward_plan(N, rms, residual):
     """The forward's plan on a GPU with clusters; a library from before session 19 (an A/B's
     other side) has no `clusters` argument."""
+    try:
+        return norm.forward_config(N, rms, residual, packable=not residual, clusters=True, bf16=True)
+    except TypeError:  # before session 40: no `bf16`
+        pass
     try:
         return norm.forward_config(N, rms, residual, packable=not residual, clusters=True)
     except TypeError:

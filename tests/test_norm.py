@@ -712,6 +712,17 @@ def test_forward_plans_with_clusters():
     assert config(131073, False) == norm_module.forward_config(131073, False) == norm_module.FORWARD_SPLIT["layer"]
     for N in (1000, 32769, 262144, 262145):
         assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
+    # bf16 rows: x held in 16 bits and the next row loaded ahead where that won (session 40)
+    bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
+    assert bf16(65536) == config(65536) and bf16(131072) == config(131072)
+    assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "AHEAD": True,
+                                            "HELD": True}
+    assert bf16(32769, False) == bf16(65536, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
+                                                        "AHEAD": True}
+    assert bf16(131072, False) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
+    assert bf16(262144, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True}
+    assert bf16(262145)["plan"] == bf16(262145, False)["plan"] == "split"
+    assert bf16(32768, False) == config(32768, False)
 
 
 def test_forward_cluster_plan_refused_with_a_residual(device):
@@ -800,19 +811,24 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [32769, 40008, 65536, 100003, 131072])
+@pytest.mark.parametrize("N", [32769, 40008, 65536, 100003, 131072, 200003, 262144])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_layer_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
     """LayerNorm's forward across persistent clusters, as RMSNorm's above: against float64
     torch through autograd, more rows than clusters fit, the last slice masked where N is not
-    a multiple of the slice."""
+    a multiple of the slice. Past 131072 only bf16 rows go across clusters (the next row
+    loaded ahead); the others take the split plan."""
     x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     w = torch.randn(N, device=cluster_device, dtype=dtype) if affine != "none" else None
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
     launched, cluster_launched = launched_kernels(monkeypatch), cluster_launches(monkeypatch)
     check("layer", x, (N,), w, b)
-    assert cluster_launched[:1] == ["_forward_cluster_kernel"] and "_forward_cluster_kernel" not in cluster_launched[1:]
-    assert not any("forward" in name for name in launched)
+    if N <= 131072 or dtype == torch.bfloat16:
+        assert cluster_launched[:1] == ["_forward_cluster_kernel"]
+        assert "_forward_cluster_kernel" not in cluster_launched[1:]
+        assert not any("forward" in name for name in launched)
+    else:
+        assert "_forward_cluster_kernel" not in cluster_launched and "_forward_split_kernel" in launched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
