@@ -451,6 +451,9 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     # again after it by a shift (exact), not as float32 (twice the registers): 157 -> 119
     # registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it at 131072
     # (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
+    # AHEAD: the next row's x (and pilot) is loaded at the top of this row, so its bytes are
+    # in flight across this row's exchange and stores (softmax's persistent plan); with x
+    # held in 16 bits it fits the registers that held float32 x (FORWARD_CLUSTER_BF16).
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
@@ -973,12 +976,14 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # bf16 rows: x held in its 16 bits across the exchange (HELD) leaves the registers to load
 # the next row's x before this row's exchange (AHEAD), so its HBM latency hides under the
 # exchange and the stores, where the stall samples put the waits (session 39). Kernel alone,
-# H200, weight (LayerNorm: and bias), session 40 sweep, before -> this: LayerNorm 0.758 / 0.751
-# -> 0.776 / 0.777 at 65536 / 131072, 0.696 (split plan) -> 0.753 at 262144; RMSNorm 0.827 ->
-# 0.877 at 262144 (at 65536 / 131072 ahead ties: 0.879 / 0.878 against 0.874 / 0.878).
+# H200, weight (LayerNorm: and bias), session 40 A/B, two runs a side, before -> this:
+# LayerNorm 0.757 / 0.752 -> 0.780 / 0.787 at 65536 / 131072, 0.693 (split plan) -> 0.760 at
+# 262144; RMSNorm 0.830 -> 0.886 at 262144 (at 65536 / 131072 ahead ties). LayerNorm's rows of
+# 32769-49152 keep FORWARD_CLUSTER (40008: 0.746; ahead 0.744; 3 slices of 16384 0.669).
 FORWARD_CLUSTER_BF16 = {
     "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})],
-    "layer": [(65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
+    "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
+              (65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
               (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs

@@ -717,7 +717,8 @@ def test_forward_plans_with_clusters():
     assert bf16(65536) == config(65536) and bf16(131072) == config(131072)
     assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "AHEAD": True,
                                             "HELD": True}
-    assert bf16(32769, False) == bf16(65536, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
+    assert bf16(32769, False) == bf16(49152, False) == config(32769, False)
+    assert bf16(49153, False) == bf16(65536, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
                                                         "AHEAD": True}
     assert bf16(131072, False) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
     assert bf16(262144, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True}
@@ -811,7 +812,7 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [32769, 40008, 65536, 100003, 131072, 200003, 262144])
+@pytest.mark.parametrize("N", [32769, 40008, 50001, 65536, 100003, 131072, 200003, 262144])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_layer_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
     """LayerNorm's forward across persistent clusters, as RMSNorm's above: against float64
