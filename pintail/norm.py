@@ -449,11 +449,12 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     # Compute, session 38: two in three to three in four of those loads hit L1).
     # BF16_HELD (LayerNorm, bf16 x): x is held across the exchange in its 16 bits and widened
     # again after it by a shift (exact), not as float32 (twice the registers): 157 -> 119
-    # registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it at 131072
-    # (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
+    # registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it alone at
+    # 131072 (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
     # AHEAD: the next row's x (and pilot) is loaded at the top of this row, so its bytes are
     # in flight across this row's exchange and stores (softmax's persistent plan); with x
-    # held in 16 bits it fits the registers that held float32 x (FORWARD_CLUSTER_BF16).
+    # held in 16 bits it fits the registers that held float32 x (FORWARD_CLUSTER_BF16, where
+    # RMSNorm takes both at 131073-262144).
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)

@@ -119,16 +119,14 @@ def configs(direction, N, rms):
 
 
 def forward_plan(N, rms, residual):
-    """The forward's plan on a GPU with clusters; a library from before session 19 (an A/B's
-    other side) has no `clusters` argument."""
-    try:
-        return norm.forward_config(N, rms, residual, packable=not residual, clusters=True, bf16=True)
-    except TypeError:  # before session 40: no `bf16`
-        pass
-    try:
-        return norm.forward_config(N, rms, residual, packable=not residual, clusters=True)
-    except TypeError:
-        return norm.forward_config(N, rms, residual, packable=not residual)
+    """The forward's plan for bf16 rows on a GPU with clusters, from whichever arguments the
+    library takes (an A/B's other side may be older: `bf16` since session 40, `clusters`
+    since session 19)."""
+    for kwargs in ({"clusters": True, "bf16": True}, {"clusters": True}, {}):
+        try:
+            return norm.forward_config(N, rms, residual, packable=not residual, **kwargs)
+        except TypeError:
+            continue
 
 
 def main():
