@@ -447,9 +447,9 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     # writes its slice of y: x read once, y written once. The weight and bias are re-read
     # each row after the exchange, so their registers are not live across it (Nsight
     # Compute, session 38: two in three to three in four of those loads hit L1).
-    # BF16_HELD (LayerNorm, bf16 x): x is held across the exchange in its 16 bits and widened
-    # again after it by a shift (exact), not as float32 (twice the registers): 157 -> 119
-    # registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it alone at
+    # BF16_HELD (bf16 x: LayerNorm's always, RMSNorm's with AHEAD): x is held across the
+    # exchange in its 16 bits and widened again after it by a shift (exact), not as float32
+    # (twice the registers): 157 -> 119 registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it alone at
     # 131072 (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
     # AHEAD: the next row's x (and pilot) is loaded at the top of this row, so its bytes are
     # in flight across this row's exchange and stores (softmax's persistent plan); with x
@@ -971,6 +971,7 @@ LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16
 # 0.74 / 0.73 at 65536 / 131072 against the split plan's 0.71 / 0.69; at 262144 (16384 / 8
 # warps, capped) 0.68, a tie, so the split plan stays there. Each slice's mean and squared
 # deviations combined by Chan's formula (two reductions before the exchange) read 0.60-0.68.
+# bf16 rows take FORWARD_CLUSTER_BF16 (below) instead, clusters at 262144 too.
 FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"BLOCK": 8192, "num_warps": 4}),
                            (262144, {"BLOCK": 16384, "num_warps": 8})],
                    "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})]}

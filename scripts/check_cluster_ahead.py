@@ -12,13 +12,14 @@ for rms in (True, False):
         for M in (1, 37, 301):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 x = torch.randn(M, N, device="cuda", dtype=dtype) * 3 + 2
-                x[:, 0] = 1000.0 if M == 37 else x[:, 0]  # flagged rows (LayerNorm's second exchange)
+                if M == 37:
+                    x[:, 0] = 1000.0  # flagged rows (LayerNorm's second exchange)
                 w = torch.randn(N, device="cuda", dtype=dtype)
                 b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
                 cfg = {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True, "HELD": True}
                 if cap:
                     cfg["maxnreg"] = cap
-                y, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
+                y = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype, cfg)[0]
                 xf = x.float()
                 ref = (F.rms_norm(xf, (N,), w.float(), 1e-6) if rms
                        else F.layer_norm(xf, (N,), w.float(), b.float(), 1e-6)).to(dtype)
