@@ -422,25 +422,31 @@ def _widened_bf16(x):
 
 
 @triton.jit
-def _cluster_row(x_ptr, row, M, cols, col_mask, x_row_stride, RMS: tl.constexpr):
-    """This CTA's slice of x's row (its own dtype; zeros past M) and, for LayerNorm, the
-    row's first value as float32 (the pilot its sums are shifted by)."""
+def _cluster_row(x_ptr, residual_ptr, row, M, cols, col_mask, x_row_stride, residual_row_stride,
+                 RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """This CTA's slice of x's row and of the residual's (HAS_RESIDUAL; else x again), in their
+    own dtypes, zeros past M, and for LayerNorm the row's first value as float32 (the pilot
+    its sums are shifted by)."""
     in_rows = row < M
     row64 = row.to(tl.int64)
     x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=col_mask & in_rows, other=0.0)
+    residual = x
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row64 * residual_row_stride + cols, mask=col_mask & in_rows, other=0.0)
     pilot = 0.0
     if not RMS:
         pilot = tl.load(x_ptr + row64 * x_row_stride, mask=in_rows, other=0.0).to(tl.float32)
-    return x, pilot
+    return x, residual, pilot
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
-def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n, x_row_stride, y_row_stride,
-                            eps, weight_offset, WORDS, ROUNDS, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, inv_n,
+                            x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
+                            WORDS, ROUNDS, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                             HAS_BIAS: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
                             CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr, ALIGN: tl.constexpr,
                             BF16_HELD: tl.constexpr, AHEAD: tl.constexpr = False):
-    # A row without a residual across the CLUSTER CTAs of a cluster (softmax's cluster plan),
+    # A row across the CLUSTER CTAs of a cluster (softmax's cluster plan),
     # the clusters persistent: CTA `rank` holds slice `rank` of the row in registers, trades
     # its statistics with its peers (RMSNorm: its sum of squares; LayerNorm: its sums of x
     # shifted by the row's first value, and for a flagged row a second round, _moments) and
@@ -455,24 +461,34 @@ def _forward_cluster_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N
     # in flight across this row's exchange and stores (softmax's persistent plan); with x
     # held in 16 bits it fits the registers that held float32 x (FORWARD_CLUSTER_BF16, where
     # RMSNorm takes both at 131073-262144).
+    # HAS_RESIDUAL (RMSNorm): the row normalised is h = x + residual, rounded to h's dtype once
+    # as torch's, stored before the exchange and held in that dtype (BF16_HELD: h is bf16).
+    tl.static_assert(RMS or not HAS_RESIDUAL, "LayerNorm takes no residual")
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N
     exchanges = 0  # the exchanges so far (they take the buffers in turn): LayerNorm's flagged rows take two
     if AHEAD:
-        x_next, pilot_next = _cluster_row(x_ptr, first_row, M, cols, col_mask, x_row_stride, RMS)
+        x_next, residual_next, pilot_next = _cluster_row(x_ptr, residual_ptr, first_row, M, cols, col_mask,
+                                                         x_row_stride, residual_row_stride, RMS, HAS_RESIDUAL)
     for i in range(0, ROUNDS):
         row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
         in_rows = row < M
         mask = col_mask & in_rows
         row64 = row.to(tl.int64)
         if AHEAD:
-            x_held, pilot = x_next, pilot_next
-            x_next, pilot_next = _cluster_row(x_ptr, row + clusters, M, cols, col_mask, x_row_stride, RMS)
+            x_held, residual, pilot = x_next, residual_next, pilot_next
+            x_next, residual_next, pilot_next = _cluster_row(x_ptr, residual_ptr, row + clusters, M, cols, col_mask,
+                                                             x_row_stride, residual_row_stride, RMS, HAS_RESIDUAL)
         else:
-            x_held, pilot = _cluster_row(x_ptr, row, M, cols, col_mask, x_row_stride, RMS)
+            x_held, residual, pilot = _cluster_row(x_ptr, residual_ptr, row, M, cols, col_mask, x_row_stride,
+                                                   residual_row_stride, RMS, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            x_held = (x_held.to(tl.float32) + residual.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row64 * h_row_stride + cols, x_held, mask=mask)
         x = x_held.to(tl.float32)
         if RMS:
             _, squares, token = cluster.exchange_sums(WORDS, exchanges, tl.full((), 0.0, tl.float32),
@@ -1144,8 +1160,6 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
     cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device),
                                    x.dtype == torch.bfloat16)
-    if cfg["plan"] == "cluster" and residual is not None:
-        raise ValueError("pintail: the forward's cluster plan takes rows without a residual; got a residual")
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
@@ -1175,12 +1189,11 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align, STATS=stats)
     elif cfg["plan"] == "cluster":
         ctas = cdiv(N, cfg["BLOCK"])
-        cluster.launch(_forward_cluster_kernel, M, ctas, x, args[3], args[4], y, mean, rstd, M, N, 1.0 / N,
-                       x.stride(0), y.stride(0), eps, weight_offset, 0, 1, RMS=rms, HAS_WEIGHT=weight is not None,
-                       HAS_BIAS=bias is not None, STATS=stats, BLOCK=cfg["BLOCK"], CLUSTER=ctas,
-                       CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align,
-                       BF16_HELD=x.dtype == torch.bfloat16 and cfg.get("HELD", not rms), AHEAD=cfg.get("AHEAD", False),
-                       num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
+        held = h.dtype if residual is not None else x.dtype  # the dtype of the row normalised
+        cluster.launch(_forward_cluster_kernel, M, ctas, *args, M, N, 1.0 / N, *strides, 0, 1, **flags, STATS=stats,
+                       BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align,
+                       BF16_HELD=held == torch.bfloat16 and cfg.get("HELD", not rms), AHEAD=cfg.get("AHEAD", False),
+                       maxnreg=cfg.get("maxnreg"))
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,

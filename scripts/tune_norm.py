@@ -94,7 +94,7 @@ def configs(direction, N, rms):
                 for block, warps in ((512, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
                 if 2 <= -(-N // block) <= 16
                 for ahead in (False, True)]
-    if direction == "fwd" and N > 32768:  # across persistent clusters (2-16 CTAs a row; no residual)
+    if direction == "fwd" and N > 32768:  # across persistent clusters (2-16 CTAs a row; with --residual too)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps}
                 for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))
                 if 2 <= -(-N // block) <= 16]

@@ -726,15 +726,6 @@ def test_forward_plans_with_clusters():
     assert bf16(32768, False) == config(32768, False)
 
 
-def test_forward_cluster_plan_refused_with_a_residual(device):
-    """The cluster forward normalises rows without a residual only: asked for one, it raises
-    rather than computing something else."""
-    x = torch.randn(3, 40, device=device)
-    cfg = {"plan": "cluster", "BLOCK": 16, "num_warps": 4}
-    with pytest.raises(ValueError, match="without a residual"):
-        norm_module._forward(x, x, None, None, 1e-6, 0.0, True, x.dtype, cfg)
-
-
 @pytest.fixture
 def cluster_device(device):
     if not norm_module.cluster.available(torch.device(device)):
@@ -809,6 +800,31 @@ def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_dev
     # the backward (its own plan) runs across a cluster too up to 131072
     assert cluster_launched[:1] == ["_forward_cluster_kernel"] and "_forward_cluster_kernel" not in cluster_launched[1:]
     assert not any("forward" in name for name in launched)
+
+
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32], ids=["same", "float32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [32769, 65536, 200003])
+@pytest.mark.parametrize("cfg", [{"BLOCK": 4096, "num_warps": 4}, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True},
+                                 {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True}], ids=str)
+def test_rms_residual_forward_across_a_cluster(cfg, N, dtype, residual_dtype, cluster_device):
+    """RMSNorm's forward with a residual across persistent clusters, the config given (with
+    and without the next row ahead): h = x + residual rounded once to h's dtype, as torch's,
+    and y from h, against float64 torch; a float32 residual makes h float32 (not held)."""
+    if N // cfg["BLOCK"] > 16:
+        pytest.skip("more than 16 slices a row")
+    x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
+    residual = torch.randn(97, N, device=cluster_device, dtype=residual_dtype or dtype)
+    w = torch.randn(N, device=cluster_device, dtype=dtype)
+    y, h, _, rstd = norm_module._forward(x, residual, w, None, 1e-6, 0.0, True, torch.promote_types(
+        x.dtype, residual.dtype), {"plan": "cluster", **cfg})
+    h_want = x + residual
+    torch.testing.assert_close(h, h_want, rtol=0, atol=0)
+    h64 = h_want.double()
+    rstd64 = 1 / torch.sqrt(h64.pow(2).mean(-1) + 1e-6)
+    assert_matches(y, h64 * rstd64[:, None] * w.double(), F.rms_norm(h_want, (N,), w.to(h_want.dtype), 1e-6),
+                   unit=1.0)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
