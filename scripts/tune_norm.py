@@ -1,9 +1,9 @@
-"""Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16, M*N = 2^27, with a
-weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
+"""Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16 unless --dtype, M*N =
+2^27, with a weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
 Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
     python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
-                                [--default-only] [--first-stands-out] [--plans cluster,split]
+                                [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
 """
 
 import argparse
@@ -118,11 +118,10 @@ def configs(direction, N, rms):
     return out
 
 
-def forward_plan(N, rms, residual):
-    """The forward's plan for bf16 rows on a GPU with clusters, from whichever arguments the
-    library takes (an A/B's other side may be older: `bf16` since session 40, `clusters`
-    since session 19)."""
-    for kwargs in ({"clusters": True, "bf16": True}, {"clusters": True}, {}):
+def forward_plan(N, rms, residual, bf16):
+    """The forward's plan on a GPU with clusters, from whichever arguments the library takes
+    (an A/B's other side may be older: `bf16` since session 40, `clusters` since session 19)."""
+    for kwargs in ({"clusters": True, "bf16": bf16}, {"clusters": True}, {}):
         try:
             return norm.forward_config(N, rms, residual, packable=not residual, **kwargs)
         except TypeError:
@@ -137,6 +136,7 @@ def main():
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
     p.add_argument("--residual", action="store_true",
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
     p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
@@ -144,25 +144,27 @@ def main():
                    help="every row's first value 1000 (LayerNorm's worst case: every row flagged, norm._moments)")
     args = p.parse_args()
     rms = not args.layer
+    dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     results = []
     for direction in args.directions.split(","):
         for N in map(int, args.sizes.split(",")):
             M = 2**27 // N
-            x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, N, device="cuda", dtype=dtype)
             if args.first_stands_out:
                 x[:, 0] = 1000.0
-            w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-            b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, device="cuda", dtype=dtype)
+            b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
             dy = torch.randn_like(x)
             _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = (forward_plan(N, rms, args.residual) if direction == "fwd"
+            default = (forward_plan(N, rms, args.residual, dtype == torch.bfloat16) if direction == "fwd"
                        else norm.backward_config(N, rms, args.residual, clusters=True))
             residual = torch.randn_like(x) if args.residual else None
             dh = residual if args.residual else None  # the backward's extra read (any values do)
             # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
-            nbytes = M * N * 2 * ((4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3))
+            tensors = (4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3)
+            nbytes = M * N * x.element_size() * tensors
             candidates = [default] if args.default_only else configs(direction, N, rms)
             if args.tails:
                 candidates = [default] + [cfg for cfg in candidates if "TAIL" in cfg and cfg != default]
@@ -179,6 +181,8 @@ def main():
             torch.cuda.empty_cache()
     name = "tune_layer_norm.json" if args.layer else "tune_rms_norm_residual.json" if args.residual else \
         "tune_rms_norm.json"
+    if dtype != torch.bfloat16:
+        name = name.replace(".json", f"_{args.dtype}.json")
     with open(os.path.join(args.out, name), "w") as f:
         json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
     print_best(results, args.directions.split(","), list(map(int, args.sizes.split(","))))
