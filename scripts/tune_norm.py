@@ -96,7 +96,7 @@ def configs(direction, N, rms):
                 for ahead in (False, True)]
     if direction == "fwd" and N > 32768:  # across persistent clusters (2-16 CTAs a row; with --residual too)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps}
-                for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16))
+                for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16))
                 if 2 <= -(-N // block) <= 16]
         # capped at the registers that fit one more CTA an SM (LayerNorm's take 159 at 8192 / 4
         # warps: 3 an SM; 128 fits 4, no stack, sm_90 on the CPU)
@@ -106,7 +106,7 @@ def configs(direction, N, rms):
     if direction == "fwd" and N > 32768:  # the next row's x loaded ahead, x held in 16 bits (session 40)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True, "HELD": True, **cap}
                 for block, warps, cap in ((4096, 4, {}), (8192, 4, {"maxnreg": 128}), (8192, 4, {}),
-                                          (16384, 8, {"maxnreg": 128}), (16384, 8, {}))
+                                          (16384, 8, {"maxnreg": 128}), (16384, 8, {}), (32768, 16, {}))
                 if 2 <= -(-N // block) <= 16]
         if rms:  # RMSNorm: ahead without holding x (168 registers uncapped at 8192 / 4 warps)
             out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True}
