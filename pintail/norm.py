@@ -455,8 +455,9 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
     # Compute, session 38: two in three to three in four of those loads hit L1).
     # BF16_HELD (bf16 x: LayerNorm's always, RMSNorm's with AHEAD): x is held across the
     # exchange in its 16 bits and widened again after it by a shift (exact), not as float32
-    # (twice the registers): 157 -> 119 registers at 8192 / 4 warps, +0.015-0.02 of copy. RMSNorm lost 0.09 with it alone at
-    # 131072 (128 -> 80 registers, 6 CTAs an SM instead of 4; docs/perf-notes.md, session 39).
+    # (twice the registers): 157 -> 119 registers at 8192 / 4 warps, +0.015-0.02 of copy.
+    # RMSNorm lost 0.09 with it alone at 131072 (128 -> 80 registers, 6 CTAs an SM instead of
+    # 4; docs/perf-notes.md, session 39).
     # AHEAD: the next row's x (and pilot) is loaded at the top of this row, so its bytes are
     # in flight across this row's exchange and stores (softmax's persistent plan); with x
     # held in 16 bits it fits the registers that held float32 x (FORWARD_CLUSTER_BF16, where
@@ -1003,7 +1004,12 @@ FORWARD_CLUSTER_BF16 = {
     "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
               (65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
-              (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})]}
+              (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
+    # RMSNorm with a residual (session 41): h = x + residual stored before the exchange, held
+    # in bf16, the next row's x and residual ahead; 0.905 / 0.922 / 0.914 at 65536 / 131072 /
+    # 262144 against the split plan's 0.852 / 0.830 / 0.819 (capped at 128 registers it
+    # spills: 0.40-0.44).
+    "rms+residual": [(262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],
@@ -1081,7 +1087,8 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
     strides multiples of 8 elements (16-byte loads), where RMSNorm's one-chunk plan fits its
     register cap. packable: x, y, weight and bias of one 16-bit dtype, rows of even length
     starting 4-byte aligned (LayerNorm's packed plan). clusters: the GPU runs thread-block
-    clusters (_cluster.available). bf16: x is bfloat16 (FORWARD_CLUSTER_BF16)."""
+    clusters (_cluster.available). bf16: the row normalised (x, or h = x + residual) is
+    bfloat16 (FORWARD_CLUSTER_BF16)."""
     kind = _kind(rms) + ("+residual" if residual else "")
     low, high, one_chunk = RMS_ONE_CHUNK
     if kind == "rms" and narrow and low < N <= high:
@@ -1158,8 +1165,9 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     narrow = (bias is None and all(t.element_size() == 2 for t in (x, y, weight) if t is not None)
               and not any(size % 8 for size in (N, x.stride(0), y.stride(0))))
     packable = residual is None and packs_into_words(N, (x, y), (weight, bias))
+    held = h if residual is not None else x  # the row normalised: bf16 rows take FORWARD_CLUSTER_BF16
     cfg = config or forward_config(N, rms, residual is not None, narrow, packable, cluster.available(x.device),
-                                   x.dtype == torch.bfloat16)
+                                   held.dtype == torch.bfloat16)
     stored = stats or cfg["plan"] == "split"  # the split kernel stores them always (its rows are few)
     mean = torch.empty(0 if rms or not stored else M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M if stored else 0, dtype=torch.float32, device=x.device)
@@ -1189,11 +1197,10 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
                BLOCK=block, ONE_CHUNK=block >= N, EVEN=N % block == 0, ALIGN=align, STATS=stats)
     elif cfg["plan"] == "cluster":
         ctas = cdiv(N, cfg["BLOCK"])
-        held = h.dtype if residual is not None else x.dtype  # the dtype of the row normalised
         cluster.launch(_forward_cluster_kernel, M, ctas, *args, M, N, 1.0 / N, *strides, 0, 1, **flags, STATS=stats,
                        BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas), ALIGN=align,
-                       BF16_HELD=held == torch.bfloat16 and cfg.get("HELD", not rms), AHEAD=cfg.get("AHEAD", False),
-                       maxnreg=cfg.get("maxnreg"))
+                       BF16_HELD=held.dtype == torch.bfloat16 and cfg.get("HELD", not rms),
+                       AHEAD=cfg.get("AHEAD", False), maxnreg=cfg.get("maxnreg"))
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
         launch(_forward_split_kernel, grid, *args, slots, M, N, 1.0 / N, *strides, slices, lag, **flags,
