@@ -991,7 +991,15 @@ LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16
 # bf16 rows take FORWARD_CLUSTER_BF16 (below) instead, clusters at 262144 too.
 FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"BLOCK": 8192, "num_warps": 4}),
                            (262144, {"BLOCK": 16384, "num_warps": 8})],
-                   "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})]}
+                   "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})],
+                   # RMSNorm with a residual (session 41): h = x + residual stored before the
+                   # exchange (held in bf16), the next row's x and residual loaded ahead.
+                   # Kernel alone, bf16 / fp16 / fp32 against the split plan: 0.870 / - / -
+                   # (0.82-0.83) at 40008, 0.904 / 0.891 / 0.871 (0.85 / 0.85 / 0.69) at 65536,
+                   # 0.922 / 0.909 / - (0.83 / 0.83) at 131072, 0.914 / 0.905 / 0.904 (0.82 /
+                   # 0.82 / 0.67) at 262144. Capped at 128 registers it spills (0.40-0.57).
+                   "rms+residual": [(65536, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
+                                    (262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})]}
 # bf16 rows: x held in its 16 bits across the exchange (HELD) leaves the registers to load
 # the next row's x before this row's exchange (AHEAD), so its HBM latency hides under the
 # exchange and the stores, where the stall samples put the waits (session 39). Kernel alone,
@@ -1005,11 +1013,7 @@ FORWARD_CLUSTER_BF16 = {
               (65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
               (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
-    # RMSNorm with a residual (session 41): h = x + residual stored before the exchange, held
-    # in bf16, the next row's x and residual ahead; 0.905 / 0.922 / 0.914 at 65536 / 131072 /
-    # 262144 against the split plan's 0.852 / 0.830 / 0.819 (capped at 128 registers it
-    # spills: 0.40-0.44).
-    "rms+residual": [(262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})]}
+    "rms+residual": FORWARD_CLUSTER["rms+residual"]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
 BACKWARD_ROWS = {"rms": [(1024, 2048, 4, 4), (4096, 4096, 8, 2), (8192, 8192, 32, 1)],

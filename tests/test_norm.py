@@ -698,8 +698,8 @@ def test_backward_plans_with_clusters():
 def test_forward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the forward of rows without a residual goes
     across persistent clusters: RMSNorm's of 32769-262144 (slices of 4096 to 65536, 8192 to
-    131072, then 16384), LayerNorm's of 32769-131072 (slices of 8192 at 128 registers); with
-    a residual (but for bf16 rows, below) and past those lengths the plans stay as they were."""
+    131072, then 16384; with a residual 8192 then 16384), LayerNorm's of 32769-131072 (slices
+    of 8192 at 128 registers); past those lengths the plans stay as they were."""
     config = lambda N, rms=True, residual=False: norm_module.forward_config(N, rms, residual, clusters=True)
     assert config(32768) == norm_module.forward_config(32768, True)
     assert config(32769) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4}
@@ -710,8 +710,14 @@ def test_forward_plans_with_clusters():
     assert (config(32769, False) == config(131072, False)
             == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128})
     assert config(131073, False) == norm_module.forward_config(131073, False) == norm_module.FORWARD_SPLIT["layer"]
-    for N in (1000, 32769, 262144, 262145):
+    for N in (1000, 32768, 262145):
         assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
+    # with a residual (session 41): across clusters, any dtype; bf16 h held
+    assert config(32769, residual=True) == config(65536, residual=True) == {"plan": "cluster", "BLOCK": 8192,
+                                                                              "num_warps": 4, "AHEAD": True}
+    assert config(65537, residual=True) == config(262144, residual=True) == {"plan": "cluster", "BLOCK": 16384,
+                                                                               "num_warps": 8, "AHEAD": True,
+                                                                               "HELD": True}
     # bf16 rows: x held in 16 bits and the next row loaded ahead where that won (session 40)
     bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
     assert bf16(65536) == config(65536) and bf16(131072) == config(131072)
@@ -724,12 +730,9 @@ def test_forward_plans_with_clusters():
     assert bf16(262144, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True}
     assert bf16(262145)["plan"] == bf16(262145, False)["plan"] == "split"
     assert bf16(32768, False) == config(32768, False)
-    # bf16 h = x + residual: across clusters too, h held and the next row ahead (session 41)
-    residual = lambda N: norm_module.forward_config(N, True, residual=True, clusters=True, bf16=True)
-    assert residual(32768) == config(32768, residual=True)
-    assert residual(32769) == residual(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
-                                                   "AHEAD": True, "HELD": True}
-    assert residual(262145) == config(262145, residual=True) == norm_module.FORWARD_SPLIT["rms+residual"]
+    for N in (32768, 32769, 65537, 262144, 262145):
+        assert norm_module.forward_config(N, True, residual=True, clusters=True, bf16=True) == config(N, residual=True)
+    assert config(262145, residual=True) == norm_module.FORWARD_SPLIT["rms+residual"]
 
 
 @pytest.fixture
@@ -837,18 +840,15 @@ def test_rms_residual_forward_across_a_cluster(cfg, N, dtype, residual_dtype, cl
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("N", [40008, 131072, 262144])
 def test_rms_residual_forward_plan(N, dtype, residual_dtype, monkeypatch, cluster_device):
-    """rms_norm with a residual past 32768: rows whose h = x + residual is bf16 go across
-    persistent clusters (FORWARD_CLUSTER_BF16), the others take the split plan; both against
-    float64 torch through autograd."""
+    """rms_norm with a residual past 32768 goes across persistent clusters, h held in 16 bits
+    where it is bf16 (x bf16 with a float32 residual makes h float32), against float64 torch
+    through autograd."""
     x = torch.randn(37, N, device=cluster_device, dtype=dtype)
     residual = torch.randn(37, N, device=cluster_device, dtype=residual_dtype or dtype)
     w = torch.randn(N, device=cluster_device, dtype=dtype)
     launched, cluster_launched = launched_kernels(monkeypatch), cluster_launches(monkeypatch)
     check("rms", x, (N,), w, residual=residual)
-    if torch.promote_types(dtype, residual.dtype) == torch.bfloat16:
-        assert cluster_launched[:1] == ["_forward_cluster_kernel"] and not any("forward" in k for k in launched)
-    else:
-        assert "_forward_cluster_kernel" not in cluster_launched and "_forward_split_kernel" in launched
+    assert cluster_launched[:1] == ["_forward_cluster_kernel"] and not any("forward" in k for k in launched)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
