@@ -989,8 +989,13 @@ LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16
 # warps, capped) 0.68, a tie, so the split plan stays there. Each slice's mean and squared
 # deviations combined by Chan's formula (two reductions before the exchange) read 0.60-0.68.
 # bf16 rows take FORWARD_CLUSTER_BF16 (below) instead, clusters at 262144 too.
+# RMSNorm's 16384 / 8 warps is capped at 128 registers (session 41): with 10-14 CTAs a
+# cluster (rows of 131073-229376) it compiles to 137-142, one CTA an SM, and such clusters
+# fit only one a GPC (7 clusters on 53-74 % of the SMs, scripts/cluster_fits.py): 0.38-0.48
+# kernel alone at 150000-229376, held + ahead 0.60-0.77, against the split plan's 0.79.
+# Capped: 121-122 registers, no stack; held + ahead 0.83 / 0.79 / 0.88 there (bf16).
 FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"BLOCK": 8192, "num_warps": 4}),
-                           (262144, {"BLOCK": 16384, "num_warps": 8})],
+                           (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128})],
                    "layer": [(131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128})],
                    # RMSNorm with a residual (session 41): h = x + residual stored before the
                    # exchange (held in bf16), the next row's x and residual loaded ahead.
@@ -1008,7 +1013,8 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # 262144; RMSNorm 0.830 -> 0.886 at 262144 (at 65536 / 131072 ahead ties). LayerNorm's rows of
 # 32769-49152 keep FORWARD_CLUSTER (40008: 0.746; ahead 0.744; 3 slices of 16384 0.669).
 FORWARD_CLUSTER_BF16 = {
-    "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True, "HELD": True})],
+    "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True,
+                                                   "HELD": True})],
     "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
               (65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),

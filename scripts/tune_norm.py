@@ -99,10 +99,11 @@ def configs(direction, N, rms):
                 for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16))
                 if 2 <= -(-N // block) <= 16]
         # capped at the registers that fit one more CTA an SM (LayerNorm's take 159 at 8192 / 4
-        # warps: 3 an SM; 128 fits 4, no stack, sm_90 on the CPU)
+        # warps: 3 an SM; 128 fits 4, no stack, sm_90 on the CPU); clusters of 10-14 CTAs at
+        # one CTA an SM fit one a GPC (session 41, scripts/cluster_fits.py)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "maxnreg": cap}
                 for block, warps, cap in ((8192, 4, 128), (16384, 8, 128), (8192, 8, 64), (4096, 4, 64))
-                if 2 <= -(-N // block) <= 16 and not rms]
+                if 2 <= -(-N // block) <= 16]
     if direction == "fwd" and N > 32768:  # the next row's x loaded ahead, x held in 16 bits (session 40)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True, "HELD": True, **cap}
                 for block, warps, cap in ((4096, 4, {}), (8192, 4, {"maxnreg": 128}), (8192, 4, {}),

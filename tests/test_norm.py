@@ -704,7 +704,7 @@ def test_forward_plans_with_clusters():
     assert config(32768) == norm_module.forward_config(32768, True)
     assert config(32769) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4}
     assert config(65537) == config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
-    assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8}
+    assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128}
     assert config(262145)["plan"] == "split"
     assert config(32768, False) == norm_module.forward_config(32768, False)
     assert (config(32769, False) == config(131072, False)
@@ -721,8 +721,8 @@ def test_forward_plans_with_clusters():
     # bf16 rows: x held in 16 bits and the next row loaded ahead where that won (session 40)
     bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
     assert bf16(65536) == config(65536) and bf16(131072) == config(131072)
-    assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "AHEAD": True,
-                                            "HELD": True}
+    assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128,
+                                            "AHEAD": True, "HELD": True}
     assert bf16(32769, False) == bf16(49152, False) == config(32769, False)
     assert bf16(49153, False) == bf16(65536, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
                                                         "AHEAD": True}
