@@ -977,7 +977,7 @@ RMS_ONE_CHUNK = (24576, 32768, {"plan": "long", "BLOCK": 32768, "num_warps": 32,
 # (_forward_packed_kernel), 16 warps, the output in 4 parts. Kernel alone, H200, bf16
 # (scripts/exp_norm_long_warps.py, session 14): 0.845 at 32768 against the long plan's 0.796.
 LAYER_PACKED = (28671, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 16, "PARTS": 4})
-# Rows without a residual past 32768, where the GPU has thread-block clusters: persistent
+# Rows past 32768, where the GPU has thread-block clusters: persistent
 # clusters (_forward_cluster_kernel), by kind (row length up to, launch config). Kernel alone,
 # H200, bf16, a weight (tune_norm.py, session 19): RMSNorm 0.89 / 0.88 / 0.83 at 65536 /
 # 131072 / 262144 (4096 / 4, 8192 / 4, 16384 / 8 warps) against the split plan's 0.81 / 0.80
@@ -1000,7 +1000,7 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
                    # RMSNorm with a residual (session 41): h = x + residual stored before the
                    # exchange (held in bf16), the next row's x and residual loaded ahead.
                    # Kernel alone, bf16 / fp16 / fp32 against the split plan: 0.870 / - / -
-                   # (0.82-0.83) at 40008, 0.904 / 0.891 / 0.871 (0.85 / 0.85 / 0.69) at 65536,
+                   # (0.81) at 40008, 0.904 / 0.891 / 0.871 (0.85 / 0.85 / 0.69) at 65536,
                    # 0.922 / 0.909 / - (0.83 / 0.83) at 131072, 0.914 / 0.905 / 0.904 (0.82 /
                    # 0.82 / 0.67) at 262144. Capped at 128 registers it spills (0.40-0.57).
                    "rms+residual": [(65536, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
