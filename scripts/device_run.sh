@@ -61,6 +61,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 # tests then run in 14 processes (the machine has 16 cores): their Triton compiles are most of
 # a cold run's time. With 8 the whole suite ran past 540 s (session 33: 98 % done; norm's
 # cluster tests at 32768 take 16-25 s each), hence a call a part; each part's log its own.
+# One line a failure (--tb=line): in session 42 a cold tests-norm with 45 failures ran into the
+# timeout while it printed their tracebacks, and the log lost its summary.
 wheels=$(ls device-wheels/*.whl 2>/dev/null | tr '\n' ':')
 workers=()
 if [ -n "$wheels" ]; then
@@ -72,7 +74,7 @@ mkdir -p "$OUT"
 mode=$1
 shift
 pytest_cuda() {
-    timeout 540 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -q -rf -p no:cacheprovider -p no:warnings \
+    timeout 560 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -q --tb=line -rf -p no:cacheprovider -p no:warnings \
         > "$OUT/$mode.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$mode.log" | tail -20
 }

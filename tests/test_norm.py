@@ -27,6 +27,7 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
         monkeypatch.setattr(norm_module, "FORWARD_CLUSTER", {})
+        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_BF16", {})
         monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
         monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
                             {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
