@@ -25,6 +25,8 @@ def plan(request, monkeypatch):
                                                            for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "ROWS_TAIL", {})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_module, "BACKWARD_TAIL", {kind: (values, []) for kind, (values, _)
+                                                          in norm_module.BACKWARD_TAIL.items()})
         monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
         monkeypatch.setattr(norm_module, "FORWARD_CLUSTER", {})
         monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_BF16", {})
@@ -39,6 +41,29 @@ def plan(request, monkeypatch):
                                                                      "BLOCK": LONG_BLOCK}})
         monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(math.inf, LONG_BLOCK, 4, 4)])
     return request.param
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_plan_fixture_routes_every_test_size(kind, plan):
+    """The fixture's 'long' and 'split' reach the plans they name at the sizes the tests take,
+    whatever the GPU (clusters or not), dtype, row alignment or residual: a table it leaves in
+    place sends a size elsewhere (the bf16 cluster table once took the split tests' bf16 rows
+    on CUDA, a two-tile table RMSNorm's backward of 4097)."""
+    if plan == "rows":
+        pytest.skip("the library's own tables")
+    rms = kind == "rms"
+    forward = {"long": "long", "split": "split"}[plan]
+    backward = {"long": "long", "split": "blocks" if rms else "long"}[plan]
+    for N in (1, 2, 7, 33, 100, 1000, 3000, 4096, 4097):
+        for clusters in (False, True):
+            for bf16 in (False, True):
+                for narrow, packable in ((False, False), (True, True)):
+                    for residual in ((False, True) if rms else (False,)):
+                        cfg = norm_module.forward_config(N, rms, residual, narrow, packable, clusters, bf16)
+                        assert cfg["plan"] == forward, (N, clusters, bf16, narrow, residual, cfg)
+            for dh in ((False, True) if rms else (False,)):
+                cfg = norm_module.backward_config(N, rms, dh, clusters)
+                assert cfg["plan"] == backward, (N, clusters, dh, cfg)
 
 
 def torch_norm(kind, x, shape, weight=None, bias=None, eps=None, residual=None, weight_offset=0.0):
