@@ -1,4 +1,5 @@
 import importlib
+import itertools
 import math
 
 import pytest
@@ -54,16 +55,14 @@ def test_plan_fixture_routes_every_test_size(kind, plan):
     rms = kind == "rms"
     forward = {"long": "long", "split": "split"}[plan]
     backward = {"long": "long", "split": "blocks" if rms else "long"}[plan]
-    for N in (1, 2, 7, 33, 100, 1000, 3000, 4096, 4097):
-        for clusters in (False, True):
-            for bf16 in (False, True):
-                for narrow, packable in ((False, False), (True, True)):
-                    for residual in ((False, True) if rms else (False,)):
-                        cfg = norm_module.forward_config(N, rms, residual, narrow, packable, clusters, bf16)
-                        assert cfg["plan"] == forward, (N, clusters, bf16, narrow, residual, cfg)
-            for dh in ((False, True) if rms else (False,)):
-                cfg = norm_module.backward_config(N, rms, dh, clusters)
-                assert cfg["plan"] == backward, (N, clusters, dh, cfg)
+    sizes, flags = (1, 2, 7, 33, 100, 1000, 3000, 4096, 4097), (False, True)
+    with_residual = flags if rms else (False,)
+    for N, clusters, bf16, narrow, residual in itertools.product(sizes, flags, flags, flags, with_residual):
+        cfg = norm_module.forward_config(N, rms, residual, narrow, narrow, clusters, bf16)  # packable as narrow
+        assert cfg["plan"] == forward, (N, clusters, bf16, narrow, residual, cfg)
+    for N, clusters, dh in itertools.product(sizes, flags, with_residual):
+        cfg = norm_module.backward_config(N, rms, dh, clusters)
+        assert cfg["plan"] == backward, (N, clusters, dh, cfg)
 
 
 def torch_norm(kind, x, shape, weight=None, bias=None, eps=None, residual=None, weight_offset=0.0):
