@@ -1012,12 +1012,20 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # LayerNorm 0.757 / 0.752 -> 0.780 / 0.787 at 65536 / 131072, 0.693 (split plan) -> 0.760 at
 # 262144; RMSNorm 0.830 -> 0.886 at 262144 (at 65536 / 131072 ahead ties). LayerNorm's rows of
 # 32769-49152 keep FORWARD_CLUSTER (40008: 0.746; ahead 0.744; 3 slices of 16384 0.669).
+# LayerNorm in slices of 32768 at 16 warps (session 43, kernel alone, one run each, against
+# the entry it replaced): 0.730 / 0.763 / 0.805 / 0.748 / 0.774 / 0.823 / 0.819 against
+# 0.609 / 0.656 / 0.674 / 0.700 / 0.719 / 0.740 / 0.785 (16384 / 8: the last of 4 slices
+# nearly empty) at 49408 / 53248 / 55296 / 57344 / 59392 / 61440 / 65536; past 131072
+# 0.621 / 0.723 / 0.652 / 0.667 / 0.724 / 0.746 against 0.634 / 0.655 / 0.564 / 0.669 /
+# 0.718 / 0.678 (16384 / 8 capped: clusters of 10-15 CTAs, which fit few to a GPC) at
+# 150000 / 163840 / 180224 / 212992 / 229376 / 245760; 0.787 against 0.828 at 262144 (16).
 FORWARD_CLUSTER_BF16 = {
     "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True,
                                                    "HELD": True})],
     "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
-              (65536, {"BLOCK": 16384, "num_warps": 8, "AHEAD": True}),
+              (65536, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
+              (245760, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
               (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
     "rms+residual": FORWARD_CLUSTER["rms+residual"]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs

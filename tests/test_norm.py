@@ -749,10 +749,13 @@ def test_forward_plans_with_clusters():
     assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128,
                                             "AHEAD": True, "HELD": True}
     assert bf16(32769, False) == bf16(49152, False) == config(32769, False)
-    assert bf16(49153, False) == bf16(65536, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
-                                                        "AHEAD": True}
-    assert bf16(131072, False) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
-    assert bf16(262144, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True}
+    slices_of_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "AHEAD": True}  # session 43
+    assert bf16(49153, False) == bf16(65536, False) == slices_of_32768
+    assert bf16(65537, False) == bf16(131072, False) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4,
+                                                         "maxnreg": 128, "AHEAD": True}
+    assert bf16(131073, False) == bf16(245760, False) == slices_of_32768
+    assert bf16(245761, False) == bf16(262144, False) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8,
+                                                          "maxnreg": 128, "AHEAD": True}
     assert bf16(262145)["plan"] == bf16(262145, False)["plan"] == "split"
     assert bf16(32768, False) == config(32768, False)
     for N in (32768, 32769, 65537, 262144, 262145):
