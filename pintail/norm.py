@@ -1019,9 +1019,13 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # 0.621 / 0.723 / 0.652 / 0.667 / 0.724 / 0.746 against 0.634 / 0.655 / 0.564 / 0.669 /
 # 0.718 / 0.678 (16384 / 8 capped: clusters of 10-15 CTAs, which fit few to a GPC) at
 # 150000 / 163840 / 180224 / 212992 / 229376 / 245760; 0.787 against 0.828 at 262144 (16).
+# RMSNorm at 65537-131072: the next row ahead, x not held (session 43, one run a size):
+# 0.856 / 0.867 / 0.874 / 0.873 / 0.851 / 0.884 / 0.894 against 0.849 / 0.838 / 0.838 /
+# 0.846 / 0.805 / 0.841 / 0.854 at 73728 / 81920 / 90112 / 98304 / 106496 / 114688 / 122880
+# (131072: 0.886 against 0.877).
 FORWARD_CLUSTER_BF16 = {
-    "rms": FORWARD_CLUSTER["rms"][:2] + [(262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True,
-                                                   "HELD": True})],
+    "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
+            (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
     "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
               (65536, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),

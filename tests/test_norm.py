@@ -745,7 +745,8 @@ def test_forward_plans_with_clusters():
                                                                                "HELD": True}
     # bf16 rows: x held in 16 bits and the next row loaded ahead where that won (session 40)
     bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
-    assert bf16(65536) == config(65536) and bf16(131072) == config(131072)
+    assert bf16(32769) == bf16(65536) == config(65536)
+    assert bf16(65537) == bf16(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "AHEAD": True}
     assert bf16(131073) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128,
                                             "AHEAD": True, "HELD": True}
     assert bf16(32769, False) == bf16(49152, False) == config(32769, False)
@@ -822,7 +823,7 @@ def test_backward_across_a_cluster_past_32768(kind, dtype, N, affine, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [32769, 40008, 65536, 131072, 200003, 262144])
+@pytest.mark.parametrize("N", [32769, 40008, 65536, 100003, 131072, 200003, 262144])
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias+offset"])
 def test_rms_forward_across_a_cluster(dtype, N, affine, monkeypatch, cluster_device):
     """RMSNorm's forward across persistent clusters (9 to 16 CTAs, the last slice masked
