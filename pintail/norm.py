@@ -1018,8 +1018,9 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # nearly empty) at 49408 / 53248 / 55296 / 57344 / 59392 / 61440 / 65536; past 131072
 # 0.621 / 0.723 / 0.652 / 0.667 / 0.724 / 0.746 against 0.634 / 0.655 / 0.564 / 0.669 /
 # 0.718 / 0.678 (16384 / 8 capped: clusters of 10-15 CTAs, which fit few to a GPC) at
-# 150000 / 163840 / 180224 / 212992 / 229376 / 245760; 0.787 against 0.828 at 262144 (16).
-# RMSNorm at 65537-131072: the next row ahead, x not held (session 43, one run a size):
+# 150000 / 163840 / 180224 / 212992 / 229376 / 245760; 0.787 against 0.828 at 262144 (16
+# CTAs of 16384, which fit well). RMSNorm at 65537-131072: the next row ahead, x not held
+# (168 registers, 3 CTAs an SM against 4; session 43, one run a size):
 # 0.856 / 0.867 / 0.874 / 0.873 / 0.851 / 0.884 / 0.894 against 0.849 / 0.838 / 0.838 /
 # 0.846 / 0.805 / 0.841 / 0.854 at 73728 / 81920 / 90112 / 98304 / 106496 / 114688 / 122880
 # (131072: 0.886 against 0.877).
