@@ -1012,18 +1012,13 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # LayerNorm 0.757 / 0.752 -> 0.780 / 0.787 at 65536 / 131072, 0.693 (split plan) -> 0.760 at
 # 262144; RMSNorm 0.830 -> 0.886 at 262144 (at 65536 / 131072 ahead ties). LayerNorm's rows of
 # 32769-49152 keep FORWARD_CLUSTER (40008: 0.746; ahead 0.744; 3 slices of 16384 0.669).
-# LayerNorm in slices of 32768 at 16 warps (session 43, kernel alone, one run each, against
-# the entry it replaced): 0.730 / 0.763 / 0.805 / 0.748 / 0.774 / 0.823 / 0.819 against
-# 0.609 / 0.656 / 0.674 / 0.700 / 0.719 / 0.740 / 0.785 (16384 / 8: the last of 4 slices
-# nearly empty) at 49408 / 53248 / 55296 / 57344 / 59392 / 61440 / 65536; past 131072
-# 0.621 / 0.723 / 0.652 / 0.667 / 0.724 / 0.746 against 0.634 / 0.655 / 0.564 / 0.669 /
-# 0.718 / 0.678 (16384 / 8 capped: clusters of 10-15 CTAs, which fit few to a GPC) at
-# 150000 / 163840 / 180224 / 212992 / 229376 / 245760; 0.787 against 0.828 at 262144 (16
-# CTAs of 16384, which fit well). RMSNorm at 65537-131072: the next row ahead, x not held
-# (168 registers, 3 CTAs an SM against 4; session 43, one run a size):
-# 0.856 / 0.867 / 0.874 / 0.873 / 0.851 / 0.884 / 0.894 against 0.849 / 0.838 / 0.838 /
-# 0.846 / 0.805 / 0.841 / 0.854 at 73728 / 81920 / 90112 / 98304 / 106496 / 114688 / 122880
-# (131072: 0.886 against 0.877).
+# Session 43 swept the lengths between these powers of two (docs/perf-notes.md, "Session
+# 43": one run a size). LayerNorm takes slices of 32768 / 16 warps at 49153-65536, where
+# 16384 / 8 left the last of 4 slices nearly empty (0.61-0.79 -> 0.73-0.82), and at
+# 131073-245760, where capped 16384 / 8 makes clusters of 10-15 CTAs that fit few to a GPC
+# (0.56-0.72 -> 0.62-0.76); 262144's 16 CTAs of 16384 fit well and keep it. RMSNorm's
+# 65537-131072 load the next row ahead without holding x (168 registers, 3 CTAs an SM
+# against 4): ahead ties at the powers of two but wins between them (0.81-0.85 -> 0.85-0.89).
 FORWARD_CLUSTER_BF16 = {
     "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
             (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
