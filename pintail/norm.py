@@ -1011,7 +1011,9 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # H200, weight (LayerNorm: and bias), session 40 A/B, two runs a side, before -> this:
 # LayerNorm 0.757 / 0.752 -> 0.780 / 0.787 at 65536 / 131072, 0.693 (split plan) -> 0.760 at
 # 262144; RMSNorm 0.830 -> 0.886 at 262144 (at 65536 / 131072 ahead ties). LayerNorm's rows of
-# 32769-49152 keep FORWARD_CLUSTER (40008: 0.746; ahead 0.744; 3 slices of 16384 0.669).
+# 32769-49152: ahead tied at 40008 (session 40: 0.746 / 0.744), then won by 0.006-0.063 at
+# 34816-47104 (session 44: 0.702 / 0.733 / 0.774 / 0.754 / 0.764 -> 0.765 / 0.777 / 0.780 /
+# 0.773 / 0.771 at 34816 / 36864 / 40960 / 45056 / 47104).
 # Session 43 swept the lengths between these powers of two (docs/perf-notes.md, "Session
 # 43": one run a size). LayerNorm takes slices of 32768 / 16 warps at 49153-65536, where
 # 16384 / 8 left the last of 4 slices nearly empty (0.61-0.79 -> 0.73-0.82), and at
@@ -1022,7 +1024,7 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 FORWARD_CLUSTER_BF16 = {
     "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
             (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
-    "layer": [(49152, FORWARD_CLUSTER["layer"][0][1]),
+    "layer": [(49152, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
               (65536, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
               (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
               (245760, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
@@ -1087,10 +1089,13 @@ BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf,
 # 4608 / 5120 / 6144 / 7168 / 8192); at 2560 / 3072
 # / 4096 the rows plan stays (0.673 / 0.734 / 0.861 against 0.663 / 0.766 / 0.779), and so
 # does RMSNorm's (its two tiles at 5120 / 6144 0.87 against 0.85). The residual's gradient is
-# not measured.
+# not measured. LayerNorm's clusters of 9-12 slices of 8192 (65537-98304, session 44, one
+# run a length) read 0.44-0.53 against the long plan's 0.54-0.55, and 0.60 against 0.53 at
+# 114688 (14): a slice of None means no cluster there. RMSNorm's blocks plan ties its
+# cluster over 65537-98304 (0.58 on average, each point within 0.07 either way).
 BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, True)]),
                     "layer": (4096, [(8192, 1024, 4, True), (12288, 4096, 8, True), (16384, 8192, 16, True),
-                                     (65536, 4096, 8, True), (131072, 8192, 16, True)])}
+                                     (65536, 4096, 8, True), (98304, None, None, None), (131072, 8192, 16, True)])}
 # dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
 # programs of BLOCK_N columns, about 128 of them or more.
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
@@ -1150,6 +1155,8 @@ def backward_config(N, rms, dh=False, clusters=False):
     past, across = BACKWARD_CLUSTER[_kind(rms)]
     for limit, block, warps, ahead in across if clusters and not dh and N > past else ():
         if N <= limit:
+            if block is None:
+                break
             return {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
     for limit, tile, warps, per_sm in BACKWARD_ROWS[_kind(rms)]:
         if N <= limit:
