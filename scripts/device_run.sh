@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call of the device tool (600 s at most): the CUDA test suite or a part of it, the benchmark, experiments.
 # Logs and results land in $OUT (the device tool brings them back).
-#   bash scripts/device_run.sh tests-norm  # all of test_norm (351 s cold with 14 workers, session 36)
+#   bash scripts/device_run.sh tests-norm  # all of test_norm (351 s cold with 14 workers, session 36; 555 s in session 43;
+#                                          # session 44: 971 of 982 done at the 560 s cut: use tests-n + tests-nc)
 #   bash scripts/device_run.sh tests-rest  # every other test file (242 s cold with 14 workers): the whole suite in two calls
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
 #   bash scripts/device_run.sh tests-n     # norm without the cluster tests
@@ -74,7 +75,8 @@ mkdir -p "$OUT"
 mode=$1
 shift
 pytest_cuda() {
-    timeout 560 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -q --tb=line -rf -p no:cacheprovider -p no:warnings \
+    # -v: a line a test as it ends, so a run cut by the timeout still says which tests ran
+    timeout 560 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -v --tb=line -rf -p no:cacheprovider -p no:warnings \
         > "$OUT/$mode.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$mode.log" | tail -20
 }

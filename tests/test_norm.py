@@ -690,8 +690,8 @@ def test_long_rows_plans():
 def test_backward_plans_with_clusters():
     """Where the GPU has thread-block clusters, the backward of rows without a residual's
     gradient goes across a cluster from 8193 (RMSNorm; but its rows as two tiles, 8193-12288)
-    or 4097 (LayerNorm; but its rows as two tiles, 8193-10240) to 131072; the other plans stay
-    as they were."""
+    or 4097 (LayerNorm; but its rows as two tiles, 8193-10240, and its long plan at
+    65537-98304) to 131072; the other plans stay as they were."""
     for rms in (True, False):
         config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
         assert config(4096)["plan"] == "rows"
