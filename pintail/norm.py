@@ -1021,14 +1021,13 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # (0.56-0.72 -> 0.62-0.76); 262144's 16 CTAs of 16384 fit well and keep it. RMSNorm's
 # 65537-131072 load the next row ahead without holding x (168 registers, 3 CTAs an SM
 # against 4): ahead ties at the powers of two but wins between them (0.81-0.85 -> 0.85-0.89).
+_LAYER_SLICES_8192_AHEAD = {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
+_SLICES_32768_AHEAD = {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}
 FORWARD_CLUSTER_BF16 = {
     "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
             (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
-    "layer": [(49152, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
-              (65536, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
-              (131072, {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}),
-              (245760, {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}),
-              (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
+    "layer": [(49152, _LAYER_SLICES_8192_AHEAD), (65536, _SLICES_32768_AHEAD), (131072, _LAYER_SLICES_8192_AHEAD),
+              (245760, _SLICES_32768_AHEAD), (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
     "rms+residual": FORWARD_CLUSTER["rms+residual"]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
