@@ -7,6 +7,7 @@
 #   bash scripts/device_run.sh tests-a     # api, cross_entropy (~3 min)
 #   bash scripts/device_run.sh tests-n     # norm without the cluster tests
 #   bash scripts/device_run.sh tests-nc    # norm's cluster tests
+#   bash scripts/device_run.sh tests-nk EXPR  # norm's tests that pytest -k EXPR selects  (PYTEST_TIMEOUT=s: pytest's limit, 560)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3-6.5 min)
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
@@ -76,7 +77,7 @@ mode=$1
 shift
 pytest_cuda() {
     # -v: a line a test as it ends, so a run cut by the timeout still says which tests ran
-    timeout 560 python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -v --tb=line -rf -p no:cacheprovider -p no:warnings \
+    timeout "${PYTEST_TIMEOUT:-560}" python3 -m pytest "$@" "${workers[@]}" --device cuda -o addopts="" -v --tb=line -rf -p no:cacheprovider -p no:warnings \
         > "$OUT/$mode.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$mode.log" | tail -20
 }
@@ -87,6 +88,7 @@ case $mode in
     tests-a) pytest_cuda tests/test_api.py tests/test_cross_entropy.py ;;
     tests-n) pytest_cuda tests/test_norm.py -k "not cluster" ;;
     tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
+    tests-nk) pytest_cuda tests/test_norm.py -k "$1" ;;
     tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py tests/test_fuzz.py ;;
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
