@@ -4,6 +4,7 @@ Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
     python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
                                 [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
+                                [--configs JSON list of configs]
 """
 
 import argparse
@@ -141,6 +142,8 @@ def main():
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
     p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
+    p.add_argument("--configs", default="",
+                   help='only these configs (and the default), a JSON list: \'[{"plan": "cluster", "BLOCK": 32768, ...}]\'')
     p.add_argument("--first-stands-out", action="store_true",
                    help="every row's first value 1000 (LayerNorm's worst case: every row flagged, norm._moments)")
     args = p.parse_args()
@@ -169,6 +172,8 @@ def main():
             candidates = [default] if args.default_only else configs(direction, N, rms)
             if args.tails:
                 candidates = [default] + [cfg for cfg in candidates if "TAIL" in cfg and cfg != default]
+            if args.configs:
+                candidates = [default] + [cfg for cfg in json.loads(args.configs) if cfg != default]
             if args.plans:
                 candidates = [default] + [cfg for cfg in candidates
                                           if cfg["plan"] in args.plans.split(",") and cfg != default]
