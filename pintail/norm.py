@@ -1021,10 +1021,15 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # (0.56-0.72 -> 0.62-0.76); 262144's 16 CTAs of 16384 fit well and keep it. RMSNorm's
 # 65537-131072 load the next row ahead without holding x (168 registers, 3 CTAs an SM
 # against 4): ahead ties at the powers of two but wins between them (0.81-0.85 -> 0.85-0.89).
+# RMSNorm's 131073-245760 take slices of 32768 / 16 warps, x held and the row ahead, as
+# LayerNorm's (session 45, one run a length: 0.829 / 0.845 / 0.811 / 0.875 -> 0.887 / 0.874
+# / 0.819 / 0.877 at 139264 / 163840 / 196608 / 229376; session 41: 0.831 / 0.793 / 0.878 ->
+# 0.842 / 0.824 / 0.880 at 150000 / 196608 / 229376); at 262144 they tie (0.884 / 0.887).
 _LAYER_SLICES_8192_AHEAD = {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
 _SLICES_32768_AHEAD = {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}
 FORWARD_CLUSTER_BF16 = {
     "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
+            (245760, {**_SLICES_32768_AHEAD, "HELD": True}),
             (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
     "layer": [(49152, _LAYER_SLICES_8192_AHEAD), (65536, _SLICES_32768_AHEAD), (131072, _LAYER_SLICES_8192_AHEAD),
               (245760, _SLICES_32768_AHEAD), (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
