@@ -1,4 +1,4 @@
-"""Experiment (session 45, prepared): the norms' backward across a cluster with the next
+"""Experiment (session 45; lost, perf-notes "Session 45"): the norms' backward across a cluster with the next
 DEPTH rows' x and dy staged in shared memory by cp.async, instead of one row ahead in
 registers (the library's `_backward_cluster_kernel` with AHEAD).
 
@@ -16,6 +16,8 @@ back with 16-byte ld.shared; the rest is the library's kernel (no residual's gra
 Predicted: 0.75-0.85 at 65537-131072 (RMSNorm 0.56-0.76 now) if rows in flight are the
 limit, and slices of 16384 at 262144 (16 CTAs, 64 KB a stage) near 0.75 against the blocks
 plan's 0.60; if it reads as the library, the limit is the exchange's round trip a row.
+Measured (RMSNorm, kernel alone, bf16): below the library at 131072 (0.64 best against 0.76)
+and 262144 (0.55 against the blocks plan's 0.60); at 81920 0.62 (16384 / 16) against 0.55.
 
     python scripts/exp_norm_staged_backward.py --inspect        # CPU: sm_90 registers, spills
     python scripts/exp_norm_staged_backward.py [--layer] [--sizes 65536,...]   # GPU: checked, then timed
