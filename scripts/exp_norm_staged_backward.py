@@ -30,19 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from exp_softmax_staged import _READ, _STAGE  # a 16-byte chunk by cp.async into shared memory; one read back
 from measure import copy_bandwidth, record
 
 norm = importlib.import_module("pintail.norm")
 cluster = importlib.import_module("pintail._cluster")
 launch_ = importlib.import_module("pintail._launch")
 
-# 16 bytes from global $2 to shared $1 past global_smem; $3 bytes read (16, or 0: zero-filled)
-_STAGE = tl.constexpr("{\n.reg .b32 s;\nmov.u32 s, global_smem;\nadd.u32 s, s, $1;\n"
-                      "cp.async.cg.shared.global [s], [$2], 16, $3;\nmov.b32 $0, 0;\n}")
 _COMMIT = tl.constexpr("cp.async.commit_group;\nmov.b32 $0, $1;")
-# eight 16-bit values (one chunk, four words) from shared $4 past global_smem
-_READ = tl.constexpr("{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $4;\n"
-                     "ld.shared.v4.b32 {$0, $1, $2, $3}, [a];\n}")
 
 
 @triton.jit
@@ -65,6 +60,27 @@ def _read(at, anchor, ptr):
     """The chunk at `at` past global_smem, in `ptr`'s element type."""
     return tl.inline_asm_elementwise(_READ, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [at + anchor], dtype=ptr.dtype.element_ty,
                                      is_pure=False, pack=8)
+
+
+@triton.jit
+def _staged_row(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd, row, in_rows, mask, cols, col_mask, zero, at,
+                RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, ELEM: tl.constexpr):
+    """(dy, x^, g) of the row staged at `at` (x, then dy)."""
+    # a load with every lane masked off (`zero` is 0): no bytes move, but the read-back gets
+    # the load's layout, VEC contiguous values a thread, so that each asm reads one chunk.
+    # Made at each read: held across the loop it would take BLOCK / threads registers.
+    anchor = tl.load(x_ptr + cols, mask=cols < zero, other=0).to(tl.int32)
+    x = _read(at, anchor, x_ptr).to(tl.float32)
+    dy = _read(at + BLOCK * ELEM, anchor, dy_ptr).to(tl.float32)
+    if RMS:
+        x_hat = x * rstd
+    else:
+        x_hat = tl.where(mask, x - tl.load(mean_ptr + row, mask=in_rows, other=0.0), 0.0) * rstd
+    if HAS_WEIGHT:
+        g = dy * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        g = dy
+    return dy, x_hat, g
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
@@ -106,36 +122,15 @@ def _backward_staged_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw
             token = tl.inline_asm_elementwise("cp.async.wait_group 3;\nmov.b32 $0, $1;", "=r,r", [token],
                                               dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
-        # a load with every lane masked off (`zero` is 0): no bytes move, but the read-back
-        # gets the load's layout, VEC contiguous values a thread, so that each asm reads one
-        # chunk. Made each round: held across the loop it would take BLOCK / threads registers.
-        anchor = tl.load(x_ptr + cols, mask=cols < zero, other=0).to(tl.int32)
         at = STAGES_AT + (i % STAGES) * STAGE_BYTES + in_slice + token * 0
-        x = _read(at, anchor, x_ptr).to(tl.float32)
-        dy = _read(at + BLOCK * ELEM, anchor, dy_ptr).to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=in_rows, other=0.0)
-        if RMS:
-            x_hat = x * rstd
-        else:
-            x_hat = tl.where(mask, x - tl.load(mean_ptr + row, mask=in_rows, other=0.0), 0.0) * rstd
-        if HAS_WEIGHT:
-            g = dy * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        else:
-            g = dy
+        dy, x_hat, g = _staged_row(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd, row, in_rows, mask, cols, col_mask, zero,
+                                   at, RMS, HAS_WEIGHT, BLOCK, ELEM)
         sum_g, sum_gx, token = cluster.exchange_sums(WORDS, i, tl.sum(g, axis=0), tl.sum(g * x_hat, axis=0), token,
                                                      CLUSTER, CLUSTER_POW2)
         if REREAD:  # x and dy again from the stage: no registers hold them across the exchange
-            anchor = tl.load(x_ptr + cols, mask=cols < zero + token * 0, other=0).to(tl.int32)
-            x = _read(at + token * 0, anchor, x_ptr).to(tl.float32)
-            dy = _read(at + BLOCK * ELEM + token * 0, anchor, dy_ptr).to(tl.float32)
-            if RMS:
-                x_hat = x * rstd
-            else:
-                x_hat = tl.where(mask, x - tl.load(mean_ptr + row, mask=in_rows, other=0.0), 0.0) * rstd
-            if HAS_WEIGHT:
-                g = dy * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            else:
-                g = dy
+            dy, x_hat, g = _staged_row(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd, row, in_rows, mask, cols, col_mask,
+                                       zero + token * 0, at + token * 0, RMS, HAS_WEIGHT, BLOCK, ELEM)
         mean_gx = sum_gx * inv_n
         if RMS:
             dx = rstd * (g - x_hat * mean_gx)
