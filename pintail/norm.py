@@ -1027,12 +1027,12 @@ FORWARD_CLUSTER = {"rms": [(65536, {"BLOCK": 4096, "num_warps": 4}), (131072, {"
 # 0.842 / 0.824 / 0.880 at 150000 / 196608 / 229376); at 262144 they tie (0.884 / 0.887).
 _LAYER_SLICES_8192_AHEAD = {"BLOCK": 8192, "num_warps": 4, "maxnreg": 128, "AHEAD": True}
 _SLICES_32768_AHEAD = {"BLOCK": 32768, "num_warps": 16, "AHEAD": True}
+_SLICES_16384_CAPPED_AHEAD = {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True}
 FORWARD_CLUSTER_BF16 = {
     "rms": [FORWARD_CLUSTER["rms"][0], (131072, {"BLOCK": 8192, "num_warps": 4, "AHEAD": True}),
-            (245760, {**_SLICES_32768_AHEAD, "HELD": True}),
-            (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True, "HELD": True})],
+            (245760, {**_SLICES_32768_AHEAD, "HELD": True}), (262144, {**_SLICES_16384_CAPPED_AHEAD, "HELD": True})],
     "layer": [(49152, _LAYER_SLICES_8192_AHEAD), (65536, _SLICES_32768_AHEAD), (131072, _LAYER_SLICES_8192_AHEAD),
-              (245760, _SLICES_32768_AHEAD), (262144, {"BLOCK": 16384, "num_warps": 8, "maxnreg": 128, "AHEAD": True})],
+              (245760, _SLICES_32768_AHEAD), (262144, _SLICES_16384_CAPPED_AHEAD)],
     "rms+residual": FORWARD_CLUSTER["rms+residual"]}
 # The backward's rows plans: (row length up to, elements a tile at least, warps, programs
 # per SM); past the last entry the long or blocks plan (below).
