@@ -4,7 +4,7 @@ Feeds the tables in pintail/norm.py and docs/perf-notes.md.
 
     python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
                                 [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
-                                [--configs JSON list of configs]
+                                [--configs JSON list of configs] [--no-stats]
 """
 
 import argparse
@@ -142,6 +142,8 @@ def main():
     p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
     p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
+    p.add_argument("--no-stats", action="store_true",
+                   help="forward without storing mean / rstd (as the bench times it: no input requires grad)")
     p.add_argument("--configs", default="",
                    help='only these configs (and the default), a JSON list: \'[{"plan": "cluster", "BLOCK": 32768, ...}]\'')
     p.add_argument("--first-stands-out", action="store_true",
@@ -179,7 +181,8 @@ def main():
                                           if cfg["plan"] in args.plans.split(",") and cfg != default]
             for cfg in candidates:
                 if direction == "fwd":
-                    fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg)
+                    fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg,
+                                               stats=not args.no_stats)
                 else:
                     fn = lambda: norm._backward(dy, dh, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
                 record(results, direction, N, cfg, fn, nbytes, copy_bw, default)

@@ -509,7 +509,7 @@ def test_layer_norm_of_rows_with_a_large_mean(N, plan, device):
     check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
 
 
-@pytest.mark.parametrize("N", [3000, 4097])
+@pytest.mark.parametrize("N", [2048, 3000, 4097])  # 2048: the library's row as one chunk of the long plan
 def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
     """The sums run on x - x[0]: a first value 1000 from the rest (spread 1) makes them large,
     and E[s^2] - E[s]^2 cancels. The outlier is in the variance too (1000^2 / N of it), which
@@ -659,11 +659,10 @@ def test_layer_backward_rows_as_two_tiles(N, monkeypatch, device):
 
 
 def test_long_rows_plans():
-    """The launch tables at the widths where they change (measured on the H200): RMSNorm's
-    short rows as one chunk of the long plan, the long forward's chunk (and RMSNorm's register
-    cap), RMSNorm with a
-    residual in registers to 32768, and the longer slices of the backward with the
-    residual's gradient past 65536."""
+    """The launch tables at the widths where they change (measured on the H200): both norms'
+    short rows as one chunk of the long plan (LayerNorm's since session 46: 513-8192), the
+    long forward's chunk (and RMSNorm's register cap), RMSNorm with a residual in registers
+    to 32768, and the longer slices of the backward with the residual's gradient past 65536."""
     def plan(cfg):
         return cfg["plan"], cfg.get("BLOCK", cfg.get("BLOCK_N"))
     assert plan(norm_module.forward_config(512, True)) == ("rows", 512)
@@ -671,7 +670,12 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
     assert plan(norm_module.forward_config(10241, True)) == ("long", 16384)
     assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
-    assert plan(norm_module.forward_config(4096, False)) == ("rows", 4096)
+    assert plan(norm_module.forward_config(512, False)) == ("rows", 512)
+    assert norm_module.forward_config(513, False) == {"plan": "long", "BLOCK": 1024, "num_warps": 2}
+    assert norm_module.forward_config(2048, False) == {"plan": "long", "BLOCK": 2048, "num_warps": 4}
+    assert norm_module.forward_config(4096, False) == {"plan": "long", "BLOCK": 4096, "num_warps": 4}
+    assert norm_module.forward_config(8192, False) == {"plan": "long", "BLOCK": 8192, "num_warps": 8}
+    assert plan(norm_module.forward_config(12289, False)) == ("rows", 16384)
     for rms in (True, False):
         assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
         assert plan(norm_module.forward_config(32769, rms))[0] == "split"
@@ -992,7 +996,7 @@ def test_row_alignment():
     assert row_alignment(4097) == 1
 
 
-@pytest.mark.parametrize("N", [300, 3000])
+@pytest.mark.parametrize("N", [300, 2048, 3000])
 def test_layer_norm_of_rows_with_values_past_float32_squares(N, plan, device):
     """A value above ~1.8e19 overflows a float32 square: the row is flagged (its sums are
     inf or NaN) and comes out as torch's float32 one (variance inf: rstd 0, y = bias), not
