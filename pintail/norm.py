@@ -929,7 +929,8 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   0.922-0.924 / 0.922-0.925 -> 0.959 / 0.955-0.965 / 0.950-0.954 / 0.951-0.957 at 1024 /
 #   2048 / 4096 / 8192 (2 / 4 / 4 / 8 warps); without them (no input requires grad, as the
 #   bench times it) 0.949-0.954 / 0.925-0.928 / 0.927 / 0.921 -> 0.973-0.975 / 0.973-0.974 /
-#   0.954-0.958 / 0.962-0.968. Sessions 2-14 had found the rows plan ahead to 8192.
+#   0.954-0.958 / 0.962-0.968. The rows plan stays to 512 (many rows a program) and at
+#   8193-16384 (not measured).
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
 #   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
 #   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
