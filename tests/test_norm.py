@@ -548,6 +548,19 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
             if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [1800, 4096])
+def test_layer_forward_one_chunk(dtype, N, monkeypatch, device):
+    """LayerNorm's library plan at 513-8192 (session 46): the row as one chunk of the long
+    plan, part filled (1800 of 2048) or whole, forward and backward."""
+    launches = recorded_launches(monkeypatch)
+    x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
+    check("layer", x, (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype))
+    cfg = norm_module.forward_config(N, False)
+    assert [(kwargs["BLOCK"], kwargs["num_warps"], kwargs["ONE_CHUNK"]) for name, kwargs in launches
+            if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
+
+
 def tiles_launched(launches, kernel):
     """(BLOCK_N, TAIL, EVEN) of each launch of a norm rows kernel."""
     return [(kwargs["BLOCK_N"], kwargs["TAIL"], kwargs["EVEN"]) for name, kwargs in launches if name == kernel]
