@@ -923,14 +923,7 @@ def _sum_partials_kernel(dw_parts_ptr, db_parts_ptr, dw_ptr, db_ptr, parts, N, H
 #   16384 (the rows plan 0.927-0.931). At 8192 16 warps, as compile's kernel: 0.973-0.977
 #   against 8 warps' 0.952 (two runs, session 14; the earlier sweeps had 8 ahead). One
 #   chunk of 32768 at 32 warps (compile's kernel at 32768) gave ours 0.83-0.88 until held to
-#   32 registers: RMS_ONE_CHUNK below.
-# - LayerNorm from 513 to 8192 likewise (session 46, weight and bias, two runs a size, the
-#   rows plan -> one chunk): storing mean / rstd (a training forward) 0.936 / 0.923-0.927 /
-#   0.922-0.924 / 0.922-0.925 -> 0.959 / 0.955-0.965 / 0.950-0.954 / 0.951-0.957 at 1024 /
-#   2048 / 4096 / 8192 (2 / 4 / 4 / 8 warps); without them (no input requires grad, as the
-#   bench times it) 0.949-0.954 / 0.925-0.928 / 0.927 / 0.921 -> 0.973-0.975 / 0.973-0.974 /
-#   0.954-0.958 / 0.962-0.968. The rows plan stays to 512 (many rows a program) and at
-#   8193-16384 (not measured).
+#   32 registers: RMS_ONE_CHUNK below. LayerNorm's rows of a power of two: LAYER_ONE_CHUNK.
 # - Past 16384 rows do not fit in registers with enough programs per SM: the long plan, with
 #   eviction hints: RMSNorm 0.86 / 0.90 / 0.90 at 20000 / 24576 / 32768 (0.83 / 0.86 without
 #   hints at 24576 / 32768); LayerNorm 0.79 / 0.79 at 24576 / 32768 (0.70 / 0.67 with every
@@ -947,8 +940,20 @@ FORWARD_PLANS = {
     "rms": [(512, "rows", 2048, 4), (1024, "long", 1024, 2), (4096, "long", 4096, 8), (8192, "long", 8192, 16),
             (16384, "long", 16384, 8), (24576, "long", 8192, 16), (32768, "long", 16384, 8)],
     "rms+residual": [(1024, "rows", 2048, 4), (16384, "rows", 16384, 8), (32768, "rows", 32768, 32)],
-    "layer": [(512, "rows", 2048, 2), (1024, "long", 1024, 2), (2048, "long", 2048, 4), (4096, "long", 4096, 4),
-              (8192, "long", 8192, 8), (16384, "rows", 16384, 8), (24576, "long", 8192, 8), (32768, "long", 16384, 16)]}
+    "layer": [(1024, "rows", 2048, 2), (8192, "rows", 8192, 4), (16384, "rows", 16384, 8), (24576, "long", 8192, 8),
+              (32768, "long", 16384, 16)]}
+# LayerNorm's rows of exactly 1024 / 2048 / 4096 / 8192: one whole chunk of the long plan
+# (unmasked), at these warps. Kernel alone, H200, bf16, weight and bias, two runs a size,
+# the rows plan above -> one chunk: storing mean / rstd (a training forward) 0.936 /
+# 0.923-0.927 / 0.922-0.924 / 0.922-0.925 -> 0.959 / 0.955-0.965 / 0.950-0.954 / 0.951-0.957;
+# without them (as the bench times it) 0.949-0.954 / 0.925-0.928 / 0.927 / 0.921 ->
+# 0.973-0.975 / 0.973-0.974 / 0.954-0.958 / 0.962-0.968 (session 46). A part-filled chunk
+# (masked) lost to the rows plan at every length measured between (session 47, storing
+# them): 896 / 1000 / 2000 / 3584 / 4000 / 7168 / 8000 0.92 / 0.93 / 0.94 / 0.92 / 0.94 /
+# 0.90 / 0.93 against 0.80-0.92 (its warps halved, or not). Every row flagged (x[0] = 1000)
+# costs the one chunk more than the rows plan, a third read from L2 against its registers:
+# 0.79-0.80 / 0.79 / 0.90-0.91 / 0.85 against 0.93 / 0.93 / 0.91 / 0.90.
+LAYER_ONE_CHUNK = {1024: 2, 2048: 4, 4096: 4, 8192: 8}
 # RMSNorm of 1025-8192: the row as one chunk of next_power_of_2(N) (not the table's BLOCK),
 # its warps the table's scaled to that chunk, and halved where the row fills at most 3/4 of
 # it (hidden sizes no power of two). Session 29, kernel alone, H200, bf16, the table's chunk
@@ -1130,6 +1135,8 @@ def forward_config(N, rms, residual=False, narrow=True, packable=False, clusters
     low, high, packed = LAYER_PACKED
     if kind == "layer" and packable and low < N <= high:
         return packed
+    if kind == "layer" and N in LAYER_ONE_CHUNK:
+        return {"plan": "long", "BLOCK": N, "num_warps": LAYER_ONE_CHUNK[N]}
     low, high = ROWS_TAIL.get(kind, (0, 0))
     if low < N <= high:  # the row as two tiles where rows_tail cuts it so
         head, tail = rows_tail(N)

@@ -17,7 +17,7 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
     RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk, or two tiles at
-    9217-10240); 'long' sends every forward to the long plan with short chunks and empties the
+    9217-10240, and LayerNorm's of 1024 / 2048 / 4096 / 8192: one chunk); 'long' sends every forward to the long plan with short chunks and empties the
     rows, two-tile and cluster tables (both norms' backward take the long plan); 'split' does
     too and sends the forward to the split plan and RMSNorm's backward to the blocks plan
     (blocks of 3 rows; on a GPU, slices of LONG_BLOCK; the interpreter cuts no row into slices)."""
@@ -25,6 +25,7 @@ def plan(request, monkeypatch):
         monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
                                                            for kind in norm_module.FORWARD_PLANS})
         monkeypatch.setattr(norm_module, "ROWS_TAIL", {})
+        monkeypatch.setattr(norm_module, "LAYER_ONE_CHUNK", {})
         monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
         monkeypatch.setattr(norm_module, "BACKWARD_TAIL", {kind: (values, []) for kind, (values, _)
                                                           in norm_module.BACKWARD_TAIL.items()})
@@ -549,10 +550,10 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [1800, 4096])
+@pytest.mark.parametrize("N", [2048, 4096])
 def test_layer_forward_one_chunk(dtype, N, monkeypatch, device):
-    """LayerNorm's library plan at 513-8192 (session 46): the row as one chunk of the long
-    plan, part filled (1800 of 2048) or whole, forward and backward."""
+    """LayerNorm's library plan at rows of a power of two, 1024-8192: the row as one whole
+    chunk of the long plan, forward and backward."""
     launches = recorded_launches(monkeypatch)
     x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
     check("layer", x, (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype))
@@ -673,7 +674,7 @@ def test_layer_backward_rows_as_two_tiles(N, monkeypatch, device):
 
 def test_long_rows_plans():
     """The launch tables at the widths where they change (measured on the H200): both norms'
-    short rows as one chunk of the long plan (LayerNorm's since session 46: 513-8192), the
+    short rows as one chunk of the long plan (LayerNorm's at 1024-8192 if a power of two), the
     long forward's chunk (and RMSNorm's register cap), RMSNorm with a residual in registers
     to 32768, and the longer slices of the backward with the residual's gradient past 65536."""
     def plan(cfg):
@@ -683,10 +684,12 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
     assert plan(norm_module.forward_config(10241, True)) == ("long", 16384)
     assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
-    assert plan(norm_module.forward_config(512, False)) == ("rows", 512)
-    assert norm_module.forward_config(513, False) == {"plan": "long", "BLOCK": 1024, "num_warps": 2}
+    assert plan(norm_module.forward_config(1000, False)) == ("rows", 1024)
+    assert norm_module.forward_config(1024, False) == {"plan": "long", "BLOCK": 1024, "num_warps": 2}
     assert norm_module.forward_config(2048, False) == {"plan": "long", "BLOCK": 2048, "num_warps": 4}
+    assert plan(norm_module.forward_config(3584, False)) == ("rows", 4096)
     assert norm_module.forward_config(4096, False) == {"plan": "long", "BLOCK": 4096, "num_warps": 4}
+    assert plan(norm_module.forward_config(8000, False)) == ("rows", 8192)
     assert norm_module.forward_config(8192, False) == {"plan": "long", "BLOCK": 8192, "num_warps": 8}
     assert plan(norm_module.forward_config(12289, False)) == ("rows", 16384)
     for rms in (True, False):
