@@ -1112,9 +1112,17 @@ BACKWARD_BLOCKS_WITH_DH = [(65536, 2048, 4, 4), (131072, 4096, 8, 2), (math.inf,
 BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, True)]),
                     "layer": (4096, [(8192, 1024, 4, True), (12288, 4096, 8, True), (16384, 8192, 16, True),
                                      (65536, 4096, 8, True), (98304, None, None, None), (131072, 8192, 16, True)])}
-# dweight / dbias partial rows summed by columns: PARTS_BLOCK partials a step, and
-# programs of BLOCK_N columns, about 128 of them or more.
-SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128}
+# dweight / dbias partial rows summed by columns (_sum_partials_config). Past 32 partials
+# (short rows: a partial row a persistent program, up to 8 an SM) every partial in one step
+# (PARTS_BLOCK, up to 1024), 16 columns a program, 8 warps past 128 partials (at most 64
+# values a thread a gradient). Each step of the loop is a round trip to L2, and the step of
+# 32 partials made LayerNorm's 528 at 1024 a chain of 17: 17 us of its 219 us backward
+# (RMSNorm 8 of 204). Session 47, H200, the sum alone (profiler), the step of 32 -> one step:
+# LayerNorm 528 x 1024 12.4 -> 3.0 us, 264 x 4096 7.8 -> 3.4, 107 x 8192 5.1 -> 2.8; RMSNorm
+# 528 x 1024 6.9 -> 2.2, 132 x 8192 3.6 -> 2.8. Up to 32 partials (long rows: a partial row a
+# cluster) a step of 32 and programs of BLOCK_N columns, about 128 of them or more (30 x
+# 32768: 4.5 us; in a step of 256 and 16 columns, 10).
+SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
 
 
 def _kind(rms):
@@ -1358,13 +1366,22 @@ def _sum_partials(dw_parts, db_parts, dweight_dtype, dbias_dtype):
     N = parts.shape[1]
     dw = torch.empty(N, dtype=dweight_dtype, device=parts.device) if dw_parts is not None else None
     db = torch.empty(N, dtype=dbias_dtype, device=parts.device) if db_parts is not None else None
+    cfg = _sum_partials_config(parts.shape[0], N)
+    launch(_sum_partials_kernel, (cdiv(N, cfg["BLOCK_N"]),), parts, db_parts if db_parts is not None else parts,
+           dw if dw is not None else db, db if db is not None else dw, parts.shape[0], N,
+           HAS_WEIGHT=dw_parts is not None, HAS_BIAS=db_parts is not None, **cfg)
+    return dw, db
+
+
+def _sum_partials_config(parts, N):
+    """_sum_partials_kernel's launch for `parts` partial rows of N (SUM_PARTIALS)."""
+    step = SUM_PARTIALS["PARTS_BLOCK"]
+    if parts > step:
+        step = min(SUM_PARTIALS["MAX_PARTS_BLOCK"], next_power_of_2(parts))
+        return {"PARTS_BLOCK": step, "BLOCK_N": SUM_PARTIALS["MIN_BLOCK_N"], "num_warps": 4 if step <= 128 else 8}
     block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
                   max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
-    launch(_sum_partials_kernel, (cdiv(N, block_n),), parts, db_parts if db_parts is not None else parts,
-           dw if dw is not None else db, db if db is not None else dw, parts.shape[0], N,
-           HAS_WEIGHT=dw_parts is not None, HAS_BIAS=db_parts is not None, PARTS_BLOCK=SUM_PARTIALS["PARTS_BLOCK"],
-           BLOCK_N=block_n, num_warps=4)
-    return dw, db
+    return {"PARTS_BLOCK": step, "BLOCK_N": block_n, "num_warps": 4}
 
 
 def _cast(t, dtype):

@@ -1024,3 +1024,23 @@ def test_layer_norm_of_rows_with_values_past_float32_squares(N, plan, device):
     w, b = torch.randn(N, device=device), torch.randn(N, device=device)
     ours = pintail.layer_norm(x, (N,), w, b)
     torch.testing.assert_close(ours, F.layer_norm(x, (N,), w, b), equal_nan=True)
+
+
+@pytest.mark.parametrize("parts, N", [(5, 33), (32, 100), (70, 100), (600, 40), (1100, 24)])
+def test_sum_partials(parts, N, monkeypatch, device):
+    """dweight / dbias from their float32 partial rows, in the parameters' dtypes: one step
+    of 32 partials or fewer, one step of all of them (70, 600: masked past the count), and
+    two steps of 1024 (1100); the same sum on every call (a fixed order)."""
+    launches = recorded_launches(monkeypatch)
+    dw_parts = torch.randn(parts, N, device=device)
+    db_parts = torch.randn(parts, N, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        dw, db = norm_module._sum_partials(dw_parts, db_parts, dtype, dtype)
+        for got, want in ((dw, dw_parts), (db, db_parts)):
+            assert got.dtype == dtype
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(got.double(), want.double().sum(0), rtol=tol, atol=tol)
+    again, _ = norm_module._sum_partials(dw_parts, db_parts, torch.float32, torch.float32)
+    assert torch.equal(norm_module._sum_partials(dw_parts, None, torch.float32, None)[0], again)
+    step = {5: 32, 32: 32, 70: 128, 600: 1024, 1100: 1024}[parts]
+    assert {kwargs["PARTS_BLOCK"] for name, kwargs in launches if name == "_sum_partials_kernel"} == {step}
