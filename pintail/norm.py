@@ -1117,11 +1117,12 @@ BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, Tr
 # (PARTS_BLOCK, up to 1024), 16 columns a program, 8 warps past 128 partials (at most 64
 # values a thread a gradient). Each step of the loop is a round trip to L2, and the step of
 # 32 partials made LayerNorm's 528 at 1024 a chain of 17: 17 us of its 219 us backward
-# (RMSNorm 8 of 204). Session 47, H200, the sum alone (profiler), the step of 32 -> one step:
-# LayerNorm 528 x 1024 12.4 -> 3.0 us, 264 x 4096 7.8 -> 3.4, 107 x 8192 5.1 -> 2.8; RMSNorm
-# 528 x 1024 6.9 -> 2.2, 132 x 8192 3.6 -> 2.8. Up to 32 partials (long rows: a partial row a
+# (RMSNorm 8 of 204). Session 47, H200, the sum alone (profiler), steps of 32 -> one step,
+# 16 columns a program both: LayerNorm 528 x 1024 12.4 -> 3.0 us, 264 x 4096 7.8 -> 3.4,
+# 107 x 8192 5.1 -> 2.8; RMSNorm 528 x 1024 6.9 -> 2.2, 132 x 8192 3.6 -> 2.8; the backward
+# alone: LayerNorm 0.84 -> 0.895 at 1024. Up to 32 partials (long rows: a partial row a
 # cluster) a step of 32 and programs of BLOCK_N columns, about 128 of them or more (30 x
-# 32768: 4.5 us; in a step of 256 and 16 columns, 10).
+# 32768 in steps of 256: 4.5 -> 10 us).
 SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
 
 
