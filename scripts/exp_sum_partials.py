@@ -14,9 +14,12 @@ at 1024 reads 0.84 of copy (0.227 ms), its bar 0.85: 2.5 us is 0.01 there.
    library's.
 
 Predicted: the sum is 5-12 us at 1024-8192 (2-5 % of the step), and more partials a step
-(fewer trips) or more programs cut it by half or more.
+(fewer trips) or more programs cut it by half or more. Session 47 measured 1024-32768 (in
+docs/perf-notes.md) and took one step of all the partials past 32 of them. Past 32768 the
+sum took 7.5-13.4 us (LayerNorm 131072 / 262144, RMSNorm 262144: scripts/exp_step_kernels.py)
+for 4-30 partial rows, each step of 32 mostly masked at 4-16; the last variants are for it.
 
-    python scripts/exp_sum_partials.py
+    python scripts/exp_sum_partials.py [sizes, e.g. 131072,262144]
 """
 
 import importlib
@@ -27,8 +30,11 @@ from exp_host_gaps import kernels_of
 norm = importlib.import_module("pintail.norm")
 launch_module = importlib.import_module("pintail._launch")
 
+# (partials a step, columns a program, warps); the last five for the long rows' few partials
+# (4 at LayerNorm's 262144, 16 at RMSNorm's), where a step of 32 is mostly masked
 VARIANTS = [(32, 16, 4), (128, 16, 4), (256, 16, 8), (512, 16, 8), (1024, 16, 8), (1024, 16, 16), (256, 8, 4),
-            (512, 8, 8), (1024, 8, 8), (128, 32, 8), (256, 32, 8), (512, 32, 16)]
+            (512, 8, 8), (1024, 8, 8), (128, 32, 8), (256, 32, 8), (512, 32, 16),
+            (32, 128, 4), (4, 1024, 4), (8, 512, 4), (16, 256, 4), (32, 256, 8)]
 
 
 def sum_variant(dw_parts, db_parts, dw, db, parts_block, block_n, warps):
@@ -45,8 +51,8 @@ def gpu_us(fn):
     return sum(us for _, us in kernels_of(fn, calls=10).values())
 
 
-def main():
-    for N in (1024, 4096, 8192, 32768):
+def main(sizes):
+    for N in sizes:
         for rms in (False, True):
             M = 2**27 // N
             x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -89,4 +95,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main([int(n) for n in sys.argv[1].split(",")] if len(sys.argv) > 1 else (1024, 4096, 8192, 32768, 131072, 262144))
