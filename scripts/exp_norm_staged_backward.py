@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from exp_softmax_staged import _READ, _STAGE  # a 16-byte chunk by cp.async into shared memory; one read back
-from measure import copy_bandwidth, record
+from measure import copy_bandwidth, norm_backward_inputs, record
 
 norm = importlib.import_module("pintail.norm")
 cluster = importlib.import_module("pintail._cluster")
@@ -228,12 +228,8 @@ def main():
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     results = []
     for N in map(int, args.sizes.split(",")):
-        M = 2**27 // N
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+        x, w, b, dy, mean, rstd = norm_backward_inputs(norm, N, rms)
+        M = x.shape[0]
         default = norm.backward_config(N, rms, clusters=True)
         library = lambda: norm._backward(dy, None, x, w, b is not None, mean, rstd, 0.0, rms, x.dtype)
         want = library()

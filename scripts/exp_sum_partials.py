@@ -26,6 +26,7 @@ import importlib
 
 import torch
 from exp_host_gaps import kernels_of
+from measure import norm_backward_inputs
 
 norm = importlib.import_module("pintail.norm")
 launch_module = importlib.import_module("pintail._launch")
@@ -54,12 +55,7 @@ def gpu_us(fn):
 def main(sizes):
     for N in sizes:
         for rms in (False, True):
-            M = 2**27 // N
-            x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-            b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
-            dy = torch.randn_like(x)
-            _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+            x, w, b, dy, mean, rstd = norm_backward_inputs(norm, N, rms)
             shapes = []
             library_sum = norm._sum_partials
 

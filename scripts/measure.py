@@ -33,6 +33,16 @@ def rotary_inputs(interleaved=False):
     return q, k, table.cos(), table.sin()
 
 
+def norm_backward_inputs(norm, N, rms):
+    """A norm backward's inputs at the bench's shape (M * N = 2^27, bf16): x, the weight,
+    LayerNorm's bias (None for RMSNorm), dy, and mean / rstd from the library's forward."""
+    x = torch.randn(2**27 // N, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    b = None if rms else torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+    return x, w, b, torch.randn_like(x), mean, rstd
+
+
 def host_us(fn, calls=300):
     """Host time of one call in us: a loop of calls, then one synchronisation."""
     fn()
