@@ -17,10 +17,11 @@ LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 409
 def plan(request, monkeypatch):
     """Every plan at test sizes: 'rows' keeps the library's tables (the rows plan, except for
     RMSNorm's forward of rows of 513-16384: the long plan, the row one chunk, or two tiles at
-    9217-10240, and LayerNorm's of 1024 / 2048 / 4096 / 8192: one chunk); 'long' sends every forward to the long plan with short chunks and empties the
-    rows, two-tile and cluster tables (both norms' backward take the long plan); 'split' does
-    too and sends the forward to the split plan and RMSNorm's backward to the blocks plan
-    (blocks of 3 rows; on a GPU, slices of LONG_BLOCK; the interpreter cuts no row into slices)."""
+    9217-10240, and LayerNorm's of 1024 / 2048 / 4096 / 8192: one chunk); 'long' sends every
+    forward to the long plan with short chunks and empties the rows, one-chunk, two-tile and
+    cluster tables (both norms' backward take the long plan); 'split' does too and sends the
+    forward to the split plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on
+    a GPU, slices of LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
         monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
                                                            for kind in norm_module.FORWARD_PLANS})
