@@ -1376,13 +1376,12 @@ def _sum_partials(dw_parts, db_parts, dweight_dtype, dbias_dtype):
 
 def _sum_partials_config(parts, N):
     """_sum_partials_kernel's launch for `parts` partial rows of N (SUM_PARTIALS)."""
-    step = SUM_PARTIALS["PARTS_BLOCK"]
-    if parts > step:
+    if parts > SUM_PARTIALS["PARTS_BLOCK"]:  # every partial in one step (up to MAX_PARTS_BLOCK)
         step = min(SUM_PARTIALS["MAX_PARTS_BLOCK"], next_power_of_2(parts))
         return {"PARTS_BLOCK": step, "BLOCK_N": SUM_PARTIALS["MIN_BLOCK_N"], "num_warps": 4 if step <= 128 else 8}
     block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
                   max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
-    return {"PARTS_BLOCK": step, "BLOCK_N": block_n, "num_warps": 4}
+    return {"PARTS_BLOCK": SUM_PARTIALS["PARTS_BLOCK"], "BLOCK_N": block_n, "num_warps": 4}
 
 
 def _cast(t, dtype):
