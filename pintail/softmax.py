@@ -34,13 +34,15 @@ import triton
 import triton.language as tl
 
 from . import _cluster as cluster, _split as split, reference
-from ._launch import (KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
+from ._launch import (INTERPRET, KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows, canonical_dim, cdiv,
                       empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative, pack_pairs,
                       packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, whole_tiles,
                       widened_tail)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
+_INTERPRETED = tl.constexpr(INTERPRET)
+LOG2E_FLOAT32: tl.constexpr = tl.constexpr(1.44269502162933349609375)  # LOG2E as float32 rounds it (0x3FB8AA3B)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -163,7 +165,7 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
         x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
         for i in range(0, ROUNDS):
             row = first_row + i * clusters  # every CTA runs every round: rows past M join the exchange
-            x, x_ends = x_next.to(tl.float32), ends_next.to(tl.float32)
+            x, x_ends = _widened(x_next), ends_next.to(tl.float32)
             next_row = row + clusters
             x_next, ends_next = _load_slice(x_ptr, next_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
             y, y_ends, token = _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG, CLUSTER, CLUSTER_POW2, False,
@@ -171,9 +173,20 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
             _store_slice(y_ptr, y, y_ends, row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT, CLUSTER)
     else:
         x, x_ends = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
-        y, y_ends, token = _softmax_across_cluster(x.to(tl.float32), x_ends.to(tl.float32), WORDS, 0, token, LOG,
+        y, y_ends, token = _softmax_across_cluster(_widened(x), x_ends.to(tl.float32), WORDS, 0, token, LOG,
                                                    CLUSTER, CLUSTER_POW2, LATE_WAIT, SHIFT > 0)
         _store_slice(y_ptr, y, y_ends, first_row, M, N, x_row_stride, y_row_stride, rank, BLOCK, SHIFT, CLUSTER)
+
+
+@triton.jit
+def _widened(x):
+    """x in float32. A bf16 pair arrives as one 32-bit word, and each half becomes a float32
+    by one shift or one mask (the plain convert takes a PRMT and a shift for the high half:
+    1.5 instructions an element against 1). Inline PTX: GPU kernels only."""
+    if x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("{\nshl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xffff0000;\n}", "=f,=f,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -208,6 +221,38 @@ def _store_slice(ptr, y, y_ends, row, M, N, x_row_stride, row_stride, rank, BLOC
 
 
 @triton.jit
+def _log2_units(v):
+    """v * LOG2E, rounded once and never fused into an FMA: a slice's exps are taken from the
+    shift so rounded, and the combine must see the very same shifts for them to cancel (an
+    FMA's unrounded product would leave up to 7e-4 of error at a max of 1e4). The
+    interpreter (numpy) fuses nothing."""
+    if _INTERPRETED:
+        return v * LOG2E
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, 0f3FB8AA3B;", "=f,f", [v], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _exp2_shifted(x, shift2):
+    """exp2(x * LOG2E - shift2) with the product unrounded (an FMA): as exact as exp((x -
+    shift) ...) near the max, where x * LOG2E rounded first errs by up to 3e-4 at |x| = 1e4.
+    The interpreter has no FMA: there float64 holds the product exactly."""
+    if _INTERPRETED:
+        return tl.exp2((x.to(tl.float64) * LOG2E_FLOAT32 - shift2).to(tl.float32))
+    return tl.exp2(tl.fma(x, LOG2E, -shift2))
+
+
+@triton.jit
+def _log2_units_rounding(v, v2):
+    """v * LOG2E - v2 exactly, for v2 = _log2_units(v): what the rounding left out (an FMA's
+    result, exact; in the interpreter, float64 products of float32 values, exact too)."""
+    if _INTERPRETED:
+        return (v.to(tl.float64) * LOG2E_FLOAT32 - v2.to(tl.float64)).to(tl.float32)
+    return tl.inline_asm_elementwise("fma.rn.f32 $0, $1, 0f3FB8AA3B, $2;", "=f,f,f", [v, -v2], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUSTER: tl.constexpr,
                             CLUSTER_POW2: tl.constexpr, WAIT: tl.constexpr, ENDS: tl.constexpr):
     """This CTA's slice of (log_)softmax of row i of the cluster, from its slice x (float32),
@@ -216,27 +261,30 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
     slice_max = tl.max(x, axis=0)
     if ENDS:
         slice_max = tl.maximum(slice_max, tl.max(x_ends, axis=0))
-    shift = tl.where(slice_max == -float("inf"), 0.0, slice_max)  # all -inf: sum 0, not NaN
-    e = tl.exp2((x - shift) * LOG2E)
+    # the shift in log2 units: each exp is one FFMA and a MUFU (not x - shift, then * LOG2E)
+    shift2 = tl.where(slice_max == -float("inf"), 0.0, _log2_units(slice_max))  # all -inf: sum 0, not NaN
+    e = _exp2_shifted(x, shift2)
     part = tl.sum(e, axis=0)
     e_ends = x_ends
     if ENDS:
-        e_ends = tl.exp2((x_ends - shift) * LOG2E)
+        e_ends = _exp2_shifted(x_ends, shift2)
         part += tl.sum(e_ends, axis=0)
     if WAIT:  # a data dependence on the slice's sum keeps the wait behind its loads
         token = cluster.wait(token + (part != part).to(tl.int32))
     if CLUSTER > 1:
         maxes, sums, token = cluster.exchange(WORDS, i, slice_max, part, token, CLUSTER, CLUSTER_POW2)
         row_max = tl.max(maxes, axis=0)  # -inf only where the whole row is: then NaN, as torch
-        log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
+        row_max2 = _log2_units(row_max)  # every shift rounded as its CTA rounded it: they cancel exactly
+        log2_total = tl.log2(tl.sum(sums * tl.exp2(_log2_units(maxes) - row_max2), axis=0))
     else:
-        row_max, log2_total = slice_max, tl.log2(part)
-    if LOG:
+        row_max, row_max2, log2_total = slice_max, shift2, tl.log2(part)
+    if LOG:  # the total counts from the rounded row_max2: move it to row_max itself
+        log2_total -= _log2_units_rounding(row_max, row_max2)
         return (x - row_max) - log2_total * LN2, (x_ends - row_max) - log2_total * LN2, token
     # a slice of -inf in a row that is not has exps 0 and scale 0 (not 0 x inf where the
     # row's max is below -88); a row of -inf keeps its NaN, as torch's
     empty = (slice_max == -float("inf")) & (row_max != -float("inf"))
-    scale = tl.where(empty, 0.0, tl.exp2((shift - row_max) * LOG2E - log2_total))
+    scale = tl.where(empty, 0.0, tl.exp2(shift2 - row_max2 - log2_total))
     return e * scale, e_ends * scale, token
 
 

@@ -9,6 +9,7 @@
 #   bash scripts/device_run.sh tests-nc    # norm's cluster tests
 #   bash scripts/device_run.sh tests-nk EXPR  # norm's tests that pytest -k EXPR selects  (PYTEST_TIMEOUT=s: pytest's limit, 560)
 #   bash scripts/device_run.sh tests-b     # rotary, softmax, fuzz (~3-6.5 min)
+#   bash scripts/device_run.sh tests-sk EXPR  # softmax's tests that pytest -k EXPR selects
 #   bash scripts/device_run.sh bench [bench options, e.g. --ops cross_entropy]   (~3 min)
 #   bash scripts/device_run.sh experiments [i ...] # steps i (from 0), or all: the next steps of docs/perf-notes.md:
 #                                                  # compile's kernels at RMSNorm / LayerNorm 32768 and rotary;
@@ -90,6 +91,7 @@ case $mode in
     tests-nc) pytest_cuda tests/test_norm.py -k cluster ;;
     tests-nk) pytest_cuda tests/test_norm.py -k "$1" ;;
     tests-b) pytest_cuda tests/test_rotary.py tests/test_softmax.py tests/test_fuzz.py ;;
+    tests-sk) pytest_cuda tests/test_softmax.py -k "$1" ;;
     bench)
         timeout 540 python3 -m pintail.bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
         grep -E "^\|" "$OUT/bench.log" ;;

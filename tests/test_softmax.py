@@ -72,7 +72,9 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch
     a row than y, dy 16 wider. With x_pad 16 the forward's strides agree modulo 16 bytes
     (SHIFT taken), with 1 they do not (the rows plan, element by element); the backward's
     (y, dy, dx) always agree. The extremes sit in the ends: the max in a row's first element,
-    in another's last, -inf heading a third. The library takes SHIFT past ROWS_SHIFT_PAST
+    in another's last, -inf heading a third, a fourth near 1e4 throughout (log_softmax's
+    total counts from the max rounded in log2 units, and must be moved back to the max
+    itself: float32 otherwise errs by 3e-4). The library takes SHIFT past ROWS_SHIFT_PAST
     only; here from 9 elements, to test it small. Boundaries of 16 and 128 bytes in both
     directions (ROW_SHIFT_BOUNDARY_BYTES: with 128 the rows start at the largest boundary that
     every tensor's alignment and strides allow)."""
@@ -81,6 +83,7 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch
     wide = torch.randn(23, N + x_pad, device=device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
     wide[3, :3] = -float("inf")
+    wide[4] += 1e4
     x = wide.to(dtype)[:, :N]
     dy = torch.randn(23, N + 16, device=device).to(dtype)[:, :N]
     shifts = []
@@ -332,11 +335,14 @@ def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device)
     2 to 16 CTAs, slices of 4096 to 32768), forward and backward (float32's past 131072 takes
     the own-row or lagged plan): against torch, with a
     slice of -inf entries, extreme values, a row of -inf (NaN, as torch); the last slice
-    masked where N is not a multiple of the slice."""
+    masked where N is not a multiple of the slice. Row 3's slices have maxes near 1e4 that
+    differ: each slice's shift is rounded (in log2 units), and the combine must take the
+    very shifts its exps were taken from, or float32 errs by up to 7e-4."""
     x = torch.randn(5, N, device=cluster_device) * 3
     x[0, : N // 2] = -float("inf")   # the leading slices of row 0 hold nothing but -inf
     x[1, ::7] = 1e4 if dtype != torch.float16 else 6e4
     x[2, 1::3] = -1e4
+    x[3] += 1e4
     x = x.to(dtype)
     log = op == "log_softmax"
     forward = softmax_module.forward_config(N, log, x.element_size(), clusters=True)["plan"]
@@ -390,6 +396,7 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
     wide = torch.randn(23, N + 16, device=cluster_device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4
     wide[3, :3] = -float("inf")
+    wide[4] += 1e4
     x = wide.to(dtype)[:, :N].requires_grad_()
     dy = (torch.randn(23, N + 16, device=cluster_device)).to(dtype)[:, :N]
     shifts = []
