@@ -1123,7 +1123,10 @@ BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, Tr
 # alone: LayerNorm 0.84 -> 0.895 at 1024. Up to 32 partials (long rows: a partial row a
 # cluster) a step of 32 and programs of BLOCK_N columns, about 128 of them or more (30 x
 # 32768 in steps of 256: 4.5 -> 10 us).
-SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
+# Branch (unmeasured): up to 32 partials, a step of next_power_of_2(parts) and TILE / step
+# columns a program (LayerNorm's 4 at 262144: 4 x 1024, where the step of 32 x 128 was
+# 7 / 8 masked; 13.4 us of its 350 us backward).
+SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "TILE": 4096, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
 
 
 def _kind(rms):
@@ -1376,13 +1379,13 @@ def _sum_partials(dw_parts, db_parts, dweight_dtype, dbias_dtype):
 
 def _sum_partials_config(parts, N):
     """_sum_partials_kernel's launch for `parts` partial rows of N (SUM_PARTIALS)."""
-    step = SUM_PARTIALS["PARTS_BLOCK"]
-    if parts > step:
-        step = min(SUM_PARTIALS["MAX_PARTS_BLOCK"], next_power_of_2(parts))
+    step = min(SUM_PARTIALS["MAX_PARTS_BLOCK"], next_power_of_2(parts))
+    if parts > SUM_PARTIALS["PARTS_BLOCK"]:
         return {"PARTS_BLOCK": step, "BLOCK_N": SUM_PARTIALS["MIN_BLOCK_N"], "num_warps": 4 if step <= 128 else 8}
-    block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
-                  max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
-    return {"PARTS_BLOCK": step, "BLOCK_N": block_n, "num_warps": 4}
+    # few partials (long rows): a tile of ~TILE values, its columns as many as the step
+    # leaves, at least PROGRAMS programs
+    block_n = min(SUM_PARTIALS["TILE"] // step, next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"])))
+    return {"PARTS_BLOCK": step, "BLOCK_N": max(SUM_PARTIALS["MIN_BLOCK_N"], block_n), "num_warps": 4}
 
 
 def _cast(t, dtype):

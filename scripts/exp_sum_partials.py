@@ -82,8 +82,8 @@ def main(sizes):
                 sum_variant(dw_parts, db_parts, dw, db, *variant)
                 torch.testing.assert_close(dw.double(), want.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
                 us = gpu_us(lambda: sum_variant(dw_parts, db_parts, dw, db, *variant))
-                library = (norm.SUM_PARTIALS["PARTS_BLOCK"], min(norm.SUM_PARTIALS["MAX_BLOCK_N"], max(
-                    norm.SUM_PARTIALS["MIN_BLOCK_N"], launch_module.next_power_of_2(launch_module.cdiv(N, 128)))), 4)
+                cfg = norm._sum_partials_config(shapes[0][0], N)
+                library = (cfg["PARTS_BLOCK"], cfg["BLOCK_N"], cfg["num_warps"])
                 mark = " (library)" if variant == library else ""
                 print(f"    sum alone PARTS_BLOCK / BLOCK_N / warps {variant}: {us:.1f} us{mark}", flush=True)
             del x, dy, dw_parts, db_parts
