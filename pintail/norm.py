@@ -1121,9 +1121,12 @@ BACKWARD_CLUSTER = {"rms": (8192, [(16384, 2048, 4, True), (131072, 8192, 16, Tr
 # 16 columns a program both: LayerNorm 528 x 1024 12.4 -> 3.0 us, 264 x 4096 7.8 -> 3.4,
 # 107 x 8192 5.1 -> 2.8; RMSNorm 528 x 1024 6.9 -> 2.2, 132 x 8192 3.6 -> 2.8; the backward
 # alone: LayerNorm 0.84 -> 0.895 at 1024. Up to 32 partials (long rows: a partial row a
-# cluster) a step of 32 and programs of BLOCK_N columns, about 128 of them or more (30 x
-# 32768 in steps of 256: 4.5 -> 10 us).
-SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "MAX_BLOCK_N": 128, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
+# cluster) one step of next_power_of_2(parts) too, and TILE / step columns a program, about
+# PROGRAMS of them or more: LayerNorm's 4 partials at 262144 go as 4 x 1024, where a step of
+# 32 x 128 was 7 / 8 masked (13.4 us of its 350 us backward). Session 48, the backward alone,
+# two runs a side: LayerNorm 0.535 -> 0.547 / 0.666 -> 0.674 at 262144 / 131072, RMSNorm
+# 0.598 -> 0.608 / 0.761 -> 0.770.
+SUM_PARTIALS = {"PARTS_BLOCK": 32, "MIN_BLOCK_N": 16, "TILE": 4096, "PROGRAMS": 128, "MAX_PARTS_BLOCK": 1024}
 
 
 def _kind(rms):
@@ -1379,9 +1382,11 @@ def _sum_partials_config(parts, N):
     if parts > SUM_PARTIALS["PARTS_BLOCK"]:  # every partial in one step (up to MAX_PARTS_BLOCK)
         step = min(SUM_PARTIALS["MAX_PARTS_BLOCK"], next_power_of_2(parts))
         return {"PARTS_BLOCK": step, "BLOCK_N": SUM_PARTIALS["MIN_BLOCK_N"], "num_warps": 4 if step <= 128 else 8}
-    block_n = min(SUM_PARTIALS["MAX_BLOCK_N"],
-                  max(SUM_PARTIALS["MIN_BLOCK_N"], next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"]))))
-    return {"PARTS_BLOCK": SUM_PARTIALS["PARTS_BLOCK"], "BLOCK_N": block_n, "num_warps": 4}
+    # few partials (long rows): one step of them all, and as many columns as leave a tile of
+    # ~TILE values, at least PROGRAMS programs
+    step = next_power_of_2(parts)
+    block_n = min(SUM_PARTIALS["TILE"] // step, next_power_of_2(cdiv(N, SUM_PARTIALS["PROGRAMS"])))
+    return {"PARTS_BLOCK": step, "BLOCK_N": max(SUM_PARTIALS["MIN_BLOCK_N"], block_n), "num_warps": 4}
 
 
 def _cast(t, dtype):

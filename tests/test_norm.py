@@ -1027,11 +1027,11 @@ def test_layer_norm_of_rows_with_values_past_float32_squares(N, plan, device):
     torch.testing.assert_close(ours, F.layer_norm(x, (N,), w, b), equal_nan=True)
 
 
-@pytest.mark.parametrize("parts, N", [(5, 33), (32, 100), (70, 100), (600, 40), (1100, 24)])
+@pytest.mark.parametrize("parts, N", [(5, 33), (32, 100), (70, 100), (600, 40), (1100, 24), (3, 5000)])
 def test_sum_partials(parts, N, monkeypatch, device):
     """dweight / dbias from their float32 partial rows, in the parameters' dtypes: one step
-    of 32 partials or fewer, one step of all of them (70, 600: masked past the count), and
-    two steps of 1024 (1100); the same sum on every call (a fixed order)."""
+    of all of them (3, 5, 70, 600: masked past the count), two steps of 1024 (1100); the
+    same sum on every call (a fixed order)."""
     launches = recorded_launches(monkeypatch)
     dw_parts = torch.randn(parts, N, device=device)
     db_parts = torch.randn(parts, N, device=device)
@@ -1043,5 +1043,5 @@ def test_sum_partials(parts, N, monkeypatch, device):
             torch.testing.assert_close(got.double(), want.double().sum(0), rtol=tol, atol=tol)
     again, _ = norm_module._sum_partials(dw_parts, db_parts, torch.float32, torch.float32)
     assert torch.equal(norm_module._sum_partials(dw_parts, None, torch.float32, None)[0], again)
-    step = {5: 32, 32: 32, 70: 128, 600: 1024, 1100: 1024}[parts]
+    step = {3: 4, 5: 8, 32: 32, 70: 128, 600: 1024, 1100: 1024}[parts]
     assert {kwargs["PARTS_BLOCK"] for name, kwargs in launches if name == "_sum_partials_kernel"} == {step}
