@@ -954,8 +954,11 @@ FORWARD_PLANS = {
 # them): 896 / 1000 / 2000 / 3584 / 4000 / 7168 / 8000 0.92 / 0.93 / 0.94 / 0.92 / 0.94 /
 # 0.90 / 0.93 against 0.80-0.92 (its warps halved, or not). Every row flagged (x[0] = 1000)
 # costs the one chunk more than the rows plan, a third read from L2 against its registers:
-# 0.79-0.80 / 0.79 / 0.90-0.91 / 0.85 against 0.93 / 0.93 / 0.91 / 0.90.
-LAYER_ONE_CHUNK = {1024: 2, 2048: 4, 4096: 4, 8192: 8}
+# 0.79-0.80 / 0.79 / 0.90-0.91 / 0.85 against 0.93 / 0.93 / 0.91 / 0.90. 16384 since the
+# long kernel stores mean / rstd after pass 2 (74 registers against 100, three programs an
+# SM; session 48, storing them): 0.934-0.939 against the rows plan's 0.909-0.913 (the one
+# chunk stored them first: 0.892-0.894). Every row flagged: not measured at 16384.
+LAYER_ONE_CHUNK = {1024: 2, 2048: 4, 4096: 4, 8192: 8, 16384: 8}
 # RMSNorm of 1025-8192: the row as one chunk of next_power_of_2(N) (not the table's BLOCK),
 # its warps the table's scaled to that chunk, and halved where the row fills at most 3/4 of
 # it (hidden sizes no power of two). Session 29, kernel alone, H200, bf16, the table's chunk

@@ -551,9 +551,9 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [2048, 4096])
+@pytest.mark.parametrize("N", [2048, 4096, 16384])
 def test_layer_forward_one_chunk(dtype, N, monkeypatch, device):
-    """LayerNorm's library plan at rows of a power of two, 1024-8192: the row as one whole
+    """LayerNorm's library plan at rows of a power of two, 1024-16384: the row as one whole
     chunk of the long plan, forward and backward."""
     launches = recorded_launches(monkeypatch)
     x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
@@ -675,7 +675,7 @@ def test_layer_backward_rows_as_two_tiles(N, monkeypatch, device):
 
 def test_long_rows_plans():
     """The launch tables at the widths where they change (measured on the H200): both norms'
-    short rows as one chunk of the long plan (LayerNorm's at 1024-8192 if a power of two), the
+    short rows as one chunk of the long plan (LayerNorm's at 1024-16384 if a power of two), the
     long forward's chunk (and RMSNorm's register cap), RMSNorm with a residual in registers
     to 32768, and the longer slices of the backward with the residual's gradient past 65536."""
     def plan(cfg):
@@ -693,6 +693,7 @@ def test_long_rows_plans():
     assert plan(norm_module.forward_config(8000, False)) == ("rows", 8192)
     assert norm_module.forward_config(8192, False) == {"plan": "long", "BLOCK": 8192, "num_warps": 8}
     assert plan(norm_module.forward_config(12289, False)) == ("rows", 16384)
+    assert norm_module.forward_config(16384, False) == {"plan": "long", "BLOCK": 16384, "num_warps": 8}
     for rms in (True, False):
         assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
         assert plan(norm_module.forward_config(32769, rms))[0] == "split"
