@@ -91,22 +91,13 @@ FORMS = [(8192, 4, 128), (8192, 4, None), (16384, 8, 128), (16384, 8, 96), (3276
 
 def inspect():
     import inspect_kernel as ik
-    import subprocess
-    import os
-    from collections import Counter
     k = _layer_cluster_words_kernel
     sig = ik.signature(k)
     sig["zero"] = "i32"
     for block, warps, cap in FORMS:
         ik.EXTRA_OPTIONS = {"maxnreg": cap} if cap else {}
-        ik.inspect(k, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
-        sass = subprocess.run([os.path.join(ik.BIN, "cuobjdump"), "-sass", "/tmp/pintail_inspect.cubin"],
-                              capture_output=True, text=True).stdout
-        body = [line.split("*/", 1)[1].split() for line in sass.splitlines() if line.strip().startswith("/*")
-                and ";" in line]
-        per = block / (32 * warps)
-        ops = Counter(words[1] if words[0].startswith("@") else words[0] for words in body if words)
-        print(f"    {block} / {warps} warps, cap {cap}:", {op: round(n / per, 2) for op, n in ops.most_common(10)})
+        mix = ik.inspect(k, sig, {"BLOCK": block, "CLUSTER": 16, "CLUSTER_POW2": 16}, warps)
+        print(f"    {block} / {warps} warps, cap {cap}:", dict(list(mix.items())[:10]))
 
 
 def main():

@@ -85,6 +85,15 @@ def inspect(fn, signature, constexprs, num_warps):
         cost += f"; loops {', '.join(f'{n / per_thread:.1f}' for n in loops)} an element"
     print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}{cost}")
     print("   ", dict(ops))
+    return instruction_mix(body, per_thread)
+
+
+def instruction_mix(body, per_thread):
+    """The SASS body's opcodes (predicates dropped), most frequent first, each a count an
+    element of BLOCK where per_thread is known (else a count): where an element's issue goes."""
+    codes = [line.split("*/", 1)[1].split() for line in body]
+    mix = Counter(words[1] if words[0].startswith("@") else words[0] for words in codes if words)
+    return {op: round(n / per_thread, 2) if per_thread else n for op, n in mix.most_common()}
 
 
 def loop_bodies(body):
@@ -102,16 +111,10 @@ def loop_bodies(body):
 
 
 def main():
-    fwd = {"x_ptr": "*bf16", "y_ptr": "*bf16", "slots_ptr": "*i64", "M": "i32", "N": "i32", "x_row_stride": "i32",
-           "y_row_stride": "i32", "SLICES": "i32", "LAG": "i32", "LOG": "constexpr", "BLOCK": "constexpr",
-           "SLICES_POW2": "constexpr"}
-    bwd = {"y_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16", "slots_ptr": "*i64", "M": "i32", "N": "i32",
-           "y_row_stride": "i32", "dy_row_stride": "i32", "dx_row_stride": "i32", "SLICES": "i32", "LAG": "i32",
-           "LOG": "constexpr", "BLOCK": "constexpr", "SLICES_POW2": "constexpr"}
     for block, warps in ((8192, 4), (8192, 8), (4096, 4)):
-        inspect(sm._forward_split_kernel, fwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
-        inspect(sm._backward_split_kernel, bwd, {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
-        own_row = {k: v for k, v in bwd.items() if k != "LAG"}
+        for kernel in (sm._forward_split_kernel, sm._backward_split_kernel):
+            inspect(kernel, signature(kernel), {"LOG": False, "BLOCK": block, "SLICES_POW2": 32}, warps)
+        own_row = signature(sm._backward_own_row_kernel)
         for log in (False, True):
             inspect(sm._backward_own_row_kernel, own_row, {"LOG": log, "BLOCK": block, "SLICES_POW2": 32}, warps)
     for kernel, block, warps in ((sm._forward_cluster_kernel, 8192, 4), (sm._backward_cluster_kernel, 8192, 8)):
