@@ -292,14 +292,14 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
 
 
 @triton.jit
-def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGN: tl.constexpr, AFTER_CLUSTERS: tl.constexpr = False):
+def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, first_row, LOG: tl.constexpr,
+                             BLOCK: tl.constexpr, ALIGN: tl.constexpr, AFTER_CLUSTERS: tl.constexpr = False):
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
     # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
     # (evict_first), so the second read comes from L2 while the rows in flight fit there.
-    row = tl.program_id(0).to(tl.int64)
+    row = first_row + tl.program_id(0).to(tl.int64)  # first_row: past the clusters' rows (SIDE_ROWS)
     row_max = -float("inf")
     total = 0.0
     for start in range(0, N, BLOCK):
@@ -659,10 +659,12 @@ FORWARD_CLUSTER = [(65536, _ONE_ROW_8192), (131072, {**_ONE_ROW_8192, "LATE_WAIT
 # dependent launch: each cluster CTA signals at its start, so the side rows' CTAs start while
 # the clusters run and find room only on the idle SMs (session 49, kernel alone: 0.887 ->
 # 0.912 at 262144 with 17 side rows, log_softmax 0.881 -> 0.908; session 38's second stream
-# 0.90). A side row takes an idle SM about SIDE_ROUNDS_A_SLICE cluster rounds a slice of 32768
-# (~20 at 262144: 17-20 side rows fit 33 rounds, 24 did not).
+# 0.90). Beside the clusters a side row took 69-96 us at 262144 (17-23 rounds of ~4.2 us;
+# alone 48-50 us): it must start within SIDE_ROUNDS_A_SLICE rounds a slice of the clusters'
+# last; 17-20 side rows on 12 idle SMs gained, 24 lost (SIDE_ROWS_AN_IDLE_SM).
 SIDE_ROWS = {"BLOCK": 8192, "num_warps": 8}
-SIDE_ROUNDS_A_SLICE = 2.5
+SIDE_ROUNDS_A_SLICE = 3
+SIDE_ROWS_AN_IDLE_SM = 1.5
 # Past 131072 a row whose slices of 32768 it fills less than FORWARD_FILL_BELOW (its last
 # slice mostly masked, the CTAs that hold it idle) goes in slices of 16384 / 8 warps, softmax
 # only (session 23, kernel alone: 0.713 / 0.797 / 0.730 / 0.790 -> 0.802 / 0.851 / 0.773 /
@@ -757,14 +759,14 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False, ve
 
 def side_rows(M: int, clusters: int, cluster_size: int, sms: int) -> int:
     """Rows of M for the SMs that `clusters` persistent clusters of `cluster_size` CTAs (one
-    an SM) leave idle: the most that take rounds off the clusters while the idle SMs still
-    finish theirs within the clusters' rounds (SIDE_ROUNDS_A_SLICE); 0 where none do."""
-    idle = sms - clusters * cluster_size
-    rounds_a_row = SIDE_ROUNDS_A_SLICE * cluster_size
+    an SM) leave idle: the most that take rounds off the clusters while no more than
+    SIDE_ROWS_AN_IDLE_SM an idle SM run at once and the clusters keep rounds enough for a side
+    row (SIDE_ROUNDS_A_SLICE); 0 where none do."""
+    most = int((sms - clusters * cluster_size) * SIDE_ROWS_AN_IDLE_SM)
     side = 0
-    for rounds in range(cdiv(M, clusters) - 1, 0, -1):
+    for rounds in range(cdiv(M, clusters) - 1, SIDE_ROUNDS_A_SLICE * cluster_size - 1, -1):
         rest = M - clusters * rounds
-        if rest * rounds_a_row > idle * rounds:
+        if rest > most:
             break
         side = rest
     return side
@@ -849,7 +851,7 @@ def launch_forward(x, y, log, config=None):
     elif cfg["plan"] == "cluster":
         _launch_cluster_forward(x, y, cfg, log, align)
     elif cfg["plan"] == "two_pass":
-        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
+        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=align, num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
@@ -870,12 +872,19 @@ def _launch_cluster_forward(x, y, cfg, log, align):
                   num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
     side = 0
     if cfg.get("SIDE_ROWS"):
-        clusters = cluster.clusters_for(_forward_cluster_kernel, M, ctas, *args, **kwargs)
-        side = side_rows(M, clusters, ctas, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        key = (x.device.index, x.dtype, y.dtype, log, cfg["BLOCK"], ctas, shift)
+        fit = _CLUSTERS_FIT.get(key)
+        if fit is None:  # the occupancy query's clusters and the SMs, once (host time: ~20 us a call)
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            fit = _CLUSTERS_FIT[key] = (cluster.clusters_for(_forward_cluster_kernel, 2**31, ctas, *args, **kwargs), sms)
+        side = side_rows(M, min(fit[0], M), ctas, fit[1])
     cluster.launch(_forward_cluster_kernel, M - side, ctas, x, y, M - side, *args[3:], **kwargs)
     if side:
-        launch(_forward_two_pass_kernel, (side,), x[M - side:], y[M - side:], N, x.stride(0), y.stride(0), LOG=log,
-               ALIGN=align, AFTER_CLUSTERS=True, launch_pdl=True, **SIDE_ROWS)
+        launch(_forward_two_pass_kernel, (side,), x, y, N, x.stride(0), y.stride(0), M - side, LOG=log, ALIGN=align,
+               AFTER_CLUSTERS=True, launch_pdl=True, **SIDE_ROWS)
+
+
+_CLUSTERS_FIT = {}  # (device, dtypes, log, slice, CTAs, shift) -> (clusters that fit, SMs)
 
 
 def launch_backward(y, dy, dx, log, config=None):

@@ -38,7 +38,7 @@ def _clusters_stamped(x_ptr, y_ptr, stamps_ptr, M, N, x_row_stride, y_row_stride
 def _side_stamped(x_ptr, y_ptr, stamps_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
                   ALIGN: tl.constexpr):
     tl.store(stamps_ptr + tl.program_id(0) * 2, _now())
-    sm._forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG, BLOCK, ALIGN)
+    sm._forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, 0, LOG, BLOCK, ALIGN)
     tl.store(stamps_ptr + tl.program_id(0) * 2 + 1, _now())
     gdc_wait()
 

@@ -41,7 +41,7 @@ def _clusters_signalling(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORDS, 
 @triton.jit
 def _side_two_pass(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
                    ALIGN: tl.constexpr):
-    sm._forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG, BLOCK, ALIGN)
+    sm._forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, 0, LOG, BLOCK, ALIGN)
     gdc_wait()  # ends only after the clusters: the stream's next work sees both
 
 

@@ -751,12 +751,14 @@ def test_cluster_forward_in_a_cuda_graph(cluster_device):
 
 def test_side_rows_plan():
     """The rows the persistent clusters leave to their idle SMs: at 262144 on the H200 (15
-    clusters of 8 on 132 SMs) 17 of 512 rows (33 rounds, not 35) and 34 of 1024; none where
-    a side row would outlast the rounds it saves (100 rows), no SM is idle, or the clusters
+    clusters of 8 on 132 SMs) 17 of 512 (33 rounds, not 35), 18 of 768 (50, not 52), 4 of
+    1024 (19 would be more than 1.5 an idle SM); none where the clusters' rounds are too few
+    for a side row (256 rows: 18 rounds, against 24), no SM is idle, or the clusters
     outnumber the rows."""
     assert softmax_module.side_rows(512, 15, 8, 132) == 17
-    assert softmax_module.side_rows(1024, 15, 8, 132) == 34
-    assert softmax_module.side_rows(100, 15, 8, 132) == 0
+    assert softmax_module.side_rows(768, 15, 8, 132) == 18
+    assert softmax_module.side_rows(1024, 15, 8, 132) == 4
+    assert softmax_module.side_rows(256, 15, 8, 132) == 0
     assert softmax_module.side_rows(512, 16, 8, 128) == 0
     assert softmax_module.side_rows(12, 15, 8, 132) == softmax_module.side_rows(15, 15, 8, 132) == 0
 
