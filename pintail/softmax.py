@@ -32,6 +32,7 @@ Plans, picked by row length N:
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows,
@@ -160,6 +161,8 @@ def _forward_cluster_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, WORD
     # and the other clusters on the SM hide the wait. LATE_WAIT (one row a cluster only): the
     # CTA waits for its peers to start only once its slice is loaded and summed. SHIFT:
     # slices from the first 16-byte boundary in the row, the row's ends apart (cluster.window).
+    if PERSISTENT:  # the side rows may start now (launch_forward's programmatic dependent launch)
+        gdc_launch_dependents()
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER, WAIT=PERSISTENT or not LATE_WAIT)
     if PERSISTENT:
         x_next, ends_next = _load_slice(x_ptr, first_row, M, N, x_row_stride, rank, BLOCK, SHIFT, CLUSTER)
@@ -289,14 +292,14 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
 
 
 @triton.jit
-def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGN: tl.constexpr):
+def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, first_row, LOG: tl.constexpr,
+                             BLOCK: tl.constexpr, ALIGN: tl.constexpr, AFTER_CLUSTERS: tl.constexpr = False):
     if ALIGN > 1:  # as in the rows kernel
         N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
     # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
     # (evict_first), so the second read comes from L2 while the rows in flight fit there.
-    row = tl.program_id(0).to(tl.int64)
+    row = first_row + tl.program_id(0).to(tl.int64)  # first_row: past the clusters' rows (SIDE_ROWS)
     row_max = -float("inf")
     total = 0.0
     for start in range(0, N, BLOCK):
@@ -317,6 +320,8 @@ def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, LOG: t
         else:
             y = tl.exp2((x - row_max) * LOG2E - log2_total)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+    if AFTER_CLUSTERS:  # side rows beside persistent clusters (launch_forward): end only after
+        gdc_wait()      # the clusters have, so that the stream's next work sees every row
 
 
 @triton.jit
@@ -647,7 +652,19 @@ CLUSTER_PAST = 16384
 # element): 131072 0.923-0.936 -> 0.929-0.942 (log_softmax +0.011), elsewhere unchanged.
 _ONE_ROW_8192 = {"BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
 FORWARD_CLUSTER = [(65536, _ONE_ROW_8192), (131072, {**_ONE_ROW_8192, "LATE_WAIT": True}),
-                   (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True})]
+                   (262144, {"BLOCK": 32768, "num_warps": 16, "PERSISTENT": True, "SIDE_ROWS": True})]
+# SIDE_ROWS: a CTA of 32768 / 16 warps fills an SM's registers, and the GPCs fit 15 clusters of
+# 8 (262144): 12 of 132 SMs idle, and 512 rows take 35 rounds where 34.1 would do. The last
+# `side_rows` rows go to the two-pass kernel, launched behind the clusters by programmatic
+# dependent launch: each cluster CTA signals at its start, so the side rows' CTAs start while
+# the clusters run and find room only on the idle SMs (session 49, kernel alone: 0.887 ->
+# 0.912 at 262144 with 17 side rows, log_softmax 0.881 -> 0.908; session 38's second stream
+# 0.90). Beside the clusters a side row took 69-96 us at 262144 (17-23 rounds of ~4.2 us;
+# alone 48-50 us): it must start within SIDE_ROUNDS_A_SLICE rounds a slice of the clusters'
+# last; 17-20 side rows on 12 idle SMs gained, 24 lost (SIDE_ROWS_AN_IDLE_SM).
+SIDE_ROWS = {"BLOCK": 8192, "num_warps": 8}
+SIDE_ROUNDS_A_SLICE = 3
+SIDE_ROWS_AN_IDLE_SM = 1.5
 # Past 131072 a row whose slices of 32768 it fills less than FORWARD_FILL_BELOW (its last
 # slice mostly masked, the CTAs that hold it idle) goes in slices of 16384 / 8 warps, softmax
 # only (session 23, kernel alone: 0.713 / 0.797 / 0.730 / 0.790 -> 0.802 / 0.851 / 0.773 /
@@ -740,6 +757,21 @@ def forward_config(N, log=False, item_size=2, packable=False, clusters=False, ve
     return cfg
 
 
+def side_rows(M: int, clusters: int, cluster_size: int, sms: int) -> int:
+    """Rows of M for the SMs that `clusters` persistent clusters of `cluster_size` CTAs (one
+    an SM) leave idle: the most that take rounds off the clusters while no more than
+    SIDE_ROWS_AN_IDLE_SM an idle SM run at once and the clusters keep rounds enough for a side
+    row (SIDE_ROUNDS_A_SLICE); 0 where none do."""
+    most = int((sms - clusters * cluster_size) * SIDE_ROWS_AN_IDLE_SM)
+    side = 0
+    for rounds in range(cdiv(M, clusters) - 1, SIDE_ROUNDS_A_SLICE * cluster_size - 1, -1):
+        rest = M - clusters * rounds
+        if rest > most:
+            break
+        side = rest
+    return side
+
+
 def backward_config(N, log, item_size=2, clusters=False):
     cfg = _across_cluster(N, _config(N, BACKWARD_ROWS, LOG_BACKWARD_SPLIT if log else BACKWARD_SPLIT),
                           BACKWARD_CLUSTER_FP32 if item_size == 4 else BACKWARD_CLUSTER, clusters)
@@ -817,13 +849,9 @@ def launch_forward(x, y, log, config=None):
                BF16=x.dtype == torch.bfloat16, BLOCK=min(cfg["BLOCK"], next_power_of_2(N)),
                num_warps=cfg["num_warps"])
     elif cfg["plan"] == "cluster":
-        ctas, shift = cluster.window(N, cfg["BLOCK"], x, y)
-        cluster.launch(_forward_cluster_kernel, M, ctas, x, y, M, N, x.stride(0), y.stride(0), 0, 1, LOG=log,
-                       BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
-                       PERSISTENT=cfg["PERSISTENT"], LATE_WAIT=cfg.get("LATE_WAIT", False), SHIFT=shift,
-                       num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
+        _launch_cluster_forward(x, y, cfg, log, align)
     elif cfg["plan"] == "two_pass":
-        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), LOG=log, BLOCK=cfg["BLOCK"],
+        launch(_forward_two_pass_kernel, (M,), x, y, N, x.stride(0), y.stride(0), 0, LOG=log, BLOCK=cfg["BLOCK"],
                ALIGN=align, num_warps=cfg["num_warps"])
     else:
         slices, lag, grid, slots = split.split_plan(M, N, cfg, x.device)
@@ -831,6 +859,32 @@ def launch_forward(x, y, log, config=None):
             _forward_split_kernel, grid,
             x, y, slots, M, N, x.stride(0), y.stride(0), slices, lag, LOG=log,
             BLOCK=cfg["BLOCK"], SLICES_POW2=next_power_of_2(slices), ALIGN=align, num_warps=cfg["num_warps"])
+
+
+def _launch_cluster_forward(x, y, cfg, log, align):
+    """The cluster plan on rows of x, the last side_rows of them (SIDE_ROWS) by the two-pass
+    kernel on the SMs the clusters leave idle."""
+    M, N = x.shape
+    ctas, shift = cluster.window(N, cfg["BLOCK"], x, y)
+    args = (x, y, M, N, x.stride(0), y.stride(0), 0, 1)
+    kwargs = dict(LOG=log, BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=next_power_of_2(ctas),
+                  PERSISTENT=cfg["PERSISTENT"], LATE_WAIT=cfg.get("LATE_WAIT", False), SHIFT=shift,
+                  num_warps=cfg["num_warps"], maxnreg=cfg.get("maxnreg"))
+    side = 0
+    if cfg.get("SIDE_ROWS"):
+        key = (x.device.index, x.dtype, y.dtype, log, cfg["BLOCK"], ctas, shift)
+        fit = _CLUSTERS_FIT.get(key)
+        if fit is None:  # the occupancy query's clusters and the SMs, once (host time: ~20 us a call)
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            fit = _CLUSTERS_FIT[key] = (cluster.clusters_for(_forward_cluster_kernel, 2**31, ctas, *args, **kwargs), sms)
+        side = side_rows(M, min(fit[0], M), ctas, fit[1])
+    cluster.launch(_forward_cluster_kernel, M - side, ctas, x, y, M - side, *args[3:], **kwargs)
+    if side:
+        launch(_forward_two_pass_kernel, (side,), x, y, N, x.stride(0), y.stride(0), M - side, LOG=log, ALIGN=align,
+               AFTER_CLUSTERS=True, launch_pdl=True, **SIDE_ROWS)
+
+
+_CLUSTERS_FIT = {}  # (device, dtypes, log, slice, CTAs, shift) -> (clusters that fit, SMs)
 
 
 def launch_backward(y, dy, dx, log, config=None):

@@ -195,7 +195,7 @@ def test_long_rows_forward_plans_with_clusters():
         assert config(1000)["plan"] == "rows" and config(16384)["plan"] == "rows"
         assert config(16385) == config(32768) == config(65536) == one_row
         assert config(65537) == config(131072) == {**one_row, "LATE_WAIT": True}
-        slices_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "PERSISTENT": True}
+        slices_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "PERSISTENT": True, "SIDE_ROWS": True}
         slices_16384 = {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "PERSISTENT": True}
         # fills 1 (the 16-byte pieces fill 4 slices; the last element rides with the last), 0.93, 0.92, 1
         assert config(131073) == config(151936) == config(180000) == config(262144) == slices_32768
@@ -534,7 +534,10 @@ def test_cluster_plans_over_many_rounds(op, M, N, monkeypatch, cluster_device):
         dx_exact = exact_backward(op, y, dy)
         assert_matches(dx, dx_exact, dx_exact.to(dx.dtype))
 
-    assert plans_run(monkeypatch, forward_and_backward) == ["_forward_cluster_kernel", "_backward_cluster_kernel"]
+    # the persistent clusters of 32768 may leave their last rows to the two-pass kernel (SIDE_ROWS)
+    assert plans_run(monkeypatch, forward_and_backward) in (
+        ["_forward_cluster_kernel", "_backward_cluster_kernel"],
+        ["_forward_cluster_kernel", "_forward_two_pass_kernel", "_backward_cluster_kernel"])
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -744,6 +747,65 @@ def test_cluster_forward_in_a_cuda_graph(cluster_device):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(y, torch.softmax(x.double(), -1), torch.softmax(x, -1))
+
+
+def test_side_rows_plan():
+    """The rows the persistent clusters leave to their idle SMs: at 262144 on the H200 (15
+    clusters of 8 on 132 SMs) 17 of 512 (33 rounds, not 35), 18 of 768 (50, not 52), 4 of
+    1024 (19 would be more than 1.5 an idle SM); none where the clusters' rounds are too few
+    for a side row (256 rows: 18 rounds, against 24), no SM is idle, or the clusters
+    outnumber the rows."""
+    assert softmax_module.side_rows(512, 15, 8, 132) == 17
+    assert softmax_module.side_rows(768, 15, 8, 132) == 18
+    assert softmax_module.side_rows(1024, 15, 8, 132) == 4
+    assert softmax_module.side_rows(256, 15, 8, 132) == 0
+    assert softmax_module.side_rows(512, 16, 8, 128) == 0
+    assert softmax_module.side_rows(12, 15, 8, 132) == softmax_module.side_rows(15, 15, 8, 132) == 0
+
+
+def side_rows_input(dtype, device, M=512, N=262144):
+    """Rows of the bench's shape whose last ones (the side rows) hold extremes: a row of
+    -inf (NaN out, as torch), a leading slice of -inf, values near 1e4."""
+    x = torch.randn(M, N, device=device) * 3
+    x[-1] = -float("inf")
+    x[-2, : N // 3] = -float("inf")
+    x[-3] += 1e4
+    x[0, ::5] = 1e4 if dtype != torch.float16 else 6e4
+    return x.to(dtype)
+
+
+def assert_rows_match(op, y, x, rows):
+    _, torch_fn = OPS[op]
+    assert_matches(y[rows], torch_fn(x[rows].double(), -1), torch_fn(x[rows], -1))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_side_rows_beside_persistent_clusters(op, dtype, monkeypatch, cluster_device):
+    """At 262144 x 512 the persistent clusters take the first rows and the two-pass kernel
+    the last side_rows, launched behind them by programmatic dependent launch: both kernels
+    run, and every row is right, the side rows' extremes too."""
+    x = side_rows_input(dtype, cluster_device)
+    y = []
+    assert plans_run(monkeypatch, lambda: y.append(OPS[op][0](x, -1))) == ["_forward_cluster_kernel",
+                                                                           "_forward_two_pass_kernel"]
+    for rows in (slice(0, 8), slice(-40, None)):  # cluster rows, then the last cluster rows and the side rows
+        assert_rows_match(op, y[0], x, rows)
+
+
+def test_side_rows_in_a_cuda_graph(cluster_device):
+    """The clusters and the side rows captured in a CUDA graph (the dependent launch
+    becomes a programmatic edge) and replayed on new input."""
+    x = side_rows_input(torch.bfloat16, cluster_device)
+    pintail.softmax(x, -1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = pintail.softmax(x, -1)
+    x.copy_(side_rows_input(torch.bfloat16, cluster_device).flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    for rows in (slice(0, 8), slice(-40, None)):
+        assert_rows_match("softmax", y, x, rows)
 
 
 def test_cluster_size_checked():
