@@ -11,7 +11,9 @@ Plans, picked by row length N:
   CTAs of a cluster, each slice in registers, the slices' (max, sum) or partial sums traded
   through distributed shared memory (pintail/_cluster.py); one read, one write, one exp per
   element. Shorter rows (forward up to 131072, backward up to 65536) go one cluster a row;
-  longer ones on persistent clusters that load their next row's slice while they work.
+  longer ones on persistent clusters that load their next row's slice while they work. The
+  persistent forward leaves its last rows to the two-pass plan on the SMs its clusters leave
+  idle, launched behind them in the same stream (programmatic dependent launch, SIDE_ROWS).
   Elsewhere (GPUs without clusters) the plans below take these rows:
 - packed (forward, bf16 / fp16 rows of even length from 28672 to 32768): a program a row
   holds the row in registers as 32-bit words of two values and unpacks them for each pass
