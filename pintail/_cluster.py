@@ -165,12 +165,7 @@ def send(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr):
     bar = WORDS + (i % BUFFERS) * 8 + token * 0
     words = WORDS + BUFFERS * 8 + (i % BUFFERS) * (CLUSTER * 8)
     rank = tl.program_id(0) % CLUSTER
-    # thread 0 arrives, expecting CLUSTER words (they may land before it: the phase waits for both)
-    token = tl.inline_asm_elementwise(
-        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, CLUSTER * 8, token], dtype=tl.int32, is_pure=False, pack=1)
+    token = arrive_expecting(bar, CLUSTER * 8, token)  # CLUSTER words (they may land before it)
     # thread t < CLUSTER sends this CTA's word to slot `rank` of peer t, counted on peer t's barrier
     return tl.inline_asm_elementwise(
         "{\n.reg .b32 t, s, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.lt.u32 p, t, $5;\n"
@@ -183,18 +178,36 @@ def send(WORDS, i, hi, lo, token, CLUSTER: tl.constexpr):
 
 
 @triton.jit
+def arrive_expecting(bar, nbytes, token):
+    """Thread 0 arrives on the mbarrier `bar` bytes past global_smem, expecting `nbytes` to
+    land on it (st.async's complete_tx; they may land before the arrive: the phase waits for
+    both). A new token."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, nbytes, token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_phase(bar, parity, token):
+    """Wait until the mbarrier `bar` bytes past global_smem completes the phase of `parity`; a
+    new token. The spin stays inside the asm, as a Triton loop around it would keep Triton's
+    pipeliner off."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
+        "=r,r,r,r", [bar, parity, token], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def receive(WORDS, i, token, CLUSTER: tl.constexpr, CLUSTER_POW2: tl.constexpr):
     """Every CTA's pair of row i, in rank order, once all have arrived, with a new token. The
     pairs come as CLUSTER_POW2 (a power of 2, at least CLUSTER) entries, the last ones
     (-inf, 0)."""
     bar = WORDS + (i % BUFFERS) * 8 + token * 0
     words = WORDS + BUFFERS * 8 + (i % BUFFERS) * (CLUSTER * 8)
-    # wait for the phase of row i (rows i and i + BUFFERS share a barrier); the spin stays
-    # inside the asm, as a Triton loop around it would keep Triton's pipeliner off
-    token = tl.inline_asm_elementwise(
-        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, (i // BUFFERS) % 2, token], dtype=tl.int32, is_pure=False, pack=1)
+    token = wait_phase(bar, (i // BUFFERS) % 2, token)  # rows i and i + BUFFERS share a barrier
     peers = tl.arange(0, CLUSTER_POW2)
     his, los = tl.inline_asm_elementwise(
         "{\n.reg .b32 a;\nmov.u32 a, global_smem;\nadd.u32 a, a, $2;\nld.shared.v2.f32 {$0, $1}, [a];\n}",

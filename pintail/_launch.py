@@ -152,7 +152,7 @@ def runs_kernels(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _multiprocessors(device_index):
+def multiprocessors(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -161,7 +161,7 @@ def program_slots(device: torch.device, programs_per_sm: int) -> int:
     interpreter runs programs one after another, so a few do."""
     if device.type != "cuda":
         return programs_per_sm
-    return programs_per_sm * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return programs_per_sm * multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def canonical_dim(dim: int, ndim: int) -> int:

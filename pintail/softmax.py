@@ -38,9 +38,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import _cluster as cluster, _split as split, reference
 from ._launch import (INTERPRET, KERNEL_DTYPES, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, as_rows,
-                      canonical_dim, cdiv, empty_like_rows, in_row, launch, next_power_of_2, no_second_derivative,
-                      pack_pairs, packs_into_words, row_alignment, rows_tail, runs_kernels, unpack_pairs, whole_tiles,
-                      widened_tail)
+                      canonical_dim, cdiv, empty_like_rows, in_row, launch, multiprocessors, next_power_of_2,
+                      no_second_derivative, pack_pairs, packs_into_words, row_alignment, rows_tail, runs_kernels,
+                      unpack_pairs, whole_tiles, widened_tail)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2
@@ -877,8 +877,8 @@ def _launch_cluster_forward(x, y, cfg, log, align):
         key = (x.device.index, x.dtype, y.dtype, log, cfg["BLOCK"], ctas, shift)
         fit = _CLUSTERS_FIT.get(key)
         if fit is None:  # the occupancy query's clusters and the SMs, once (host time: ~20 us a call)
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            fit = _CLUSTERS_FIT[key] = (cluster.clusters_for(_forward_cluster_kernel, 2**31, ctas, *args, **kwargs), sms)
+            clusters = cluster.clusters_for(_forward_cluster_kernel, 2**31, ctas, *args, **kwargs)
+            fit = _CLUSTERS_FIT[key] = (clusters, multiprocessors(x.device.index))
         side = side_rows(M, min(fit[0], M), ctas, fit[1])
     cluster.launch(_forward_cluster_kernel, M - side, ctas, x, y, M - side, *args[3:], **kwargs)
     if side:

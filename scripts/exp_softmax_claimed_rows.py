@@ -44,11 +44,7 @@ def _exchange_with_claim(WORDS, i, hi, lo, claim, token, CLUSTER: tl.constexpr, 
     bar = WORDS + (i % 4) * 8 + token * 0
     words = WORDS + 4 * 8 + (i % 4) * (CLUSTER * 16)
     rank = tl.program_id(0) % CLUSTER
-    token = tl.inline_asm_elementwise(
-        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, CLUSTER * 16, token], dtype=tl.int32, is_pure=False, pack=1)
+    token = cluster.arrive_expecting(bar, CLUSTER * 16, token)
     token = tl.inline_asm_elementwise(
         "{\n.reg .b32 t, s, b;\n.reg .pred p;\nmov.u32 t, %tid.x;\nsetp.lt.u32 p, t, $6;\n"
         "mov.u32 s, global_smem;\nadd.u32 s, s, $1;\nmov.u32 b, global_smem;\nadd.u32 b, b, $2;\n"
@@ -58,10 +54,7 @@ def _exchange_with_claim(WORDS, i, hi, lo, claim, token, CLUSTER: tl.constexpr, 
         "=r,r,r,r,r,r,r,r", [words + rank * 16 + token * 0, bar, hi.to(tl.int32, bitcast=True),
                              lo.to(tl.int32, bitcast=True), claim, CLUSTER, token],
         dtype=tl.int32, is_pure=False, pack=1)
-    token = tl.inline_asm_elementwise(
-        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, (i // 4) % 2, token], dtype=tl.int32, is_pure=False, pack=1)
+    token = cluster.wait_phase(bar, (i // 4) % 2, token)
     peers = tl.arange(0, CLUSTER_POW2)
     his, los, claims = tl.inline_asm_elementwise(
         "{\n.reg .b32 a, pad;\nmov.u32 a, global_smem;\nadd.u32 a, a, $3;\n"
