@@ -1,0 +1,54 @@
+"""The slow mode at 262144 (session 50, prepared, not run): softmax / log_softmax over 512 x
+262144 bf16 sometimes measured 0.46-0.82 of copy where they otherwise read 0.90-0.92, in
+main's code too, most often log_softmax or a machine's first run. Here both ops are timed
+as the bench times them (do_bench, L2 flushed, median) 24 times in turn, each with its
+spread, while nvidia-smi logs the SM clock, power and throttle reasons every 250 ms: a slow
+trial beside a low clock or a power cap points at the GPU's clocks; one at full clock points
+at the launch (a cluster not placed with the others, `exp_side_rows_timeline.py`).
+
+    python scripts/exp_slow_mode.py   # on the GPU; writes smi.csv into --out (default .)
+"""
+
+import argparse
+import collections
+import subprocess
+import time
+
+import torch
+from triton.testing import do_bench
+
+import pintail
+
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--trials", type=int, default=24)
+    args = p.parse_args()
+    smi_path = f"{args.out}/smi.csv"
+    with open(smi_path, "w") as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "250"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        x = torch.randn(512, 262144, device="cuda", dtype=torch.bfloat16) * 3
+        t0 = time.time()
+        for _ in range(args.trials):
+            for name, fn in (("softmax", pintail.softmax), ("log_softmax", pintail.log_softmax)):
+                times = sorted(do_bench(lambda: fn(x, -1), warmup=50, rep=50, return_mode="all"))
+                pick = lambda q: times[min(int(len(times) * q), len(times) - 1)] * 1e3
+                print(f"t={time.time() - t0:.1f} s {name}: median {pick(0.5):.1f} us, min {pick(0):.1f}, "
+                      f"p90 {pick(0.9):.1f}, max {pick(1):.1f}", flush=True)
+    finally:
+        smi.terminate()
+        smi.wait()
+    # the clock states seen, most common first (SM MHz, memory MHz, watts, degrees, throttle reasons)
+    with open(smi_path) as log:
+        states = collections.Counter(tuple(f.strip() for f in line.split(",")[1:]) for line in log if "," in line)
+    for state, count in states.most_common(12):
+        print(count, *state)
+
+
+if __name__ == "__main__":
+    main()
