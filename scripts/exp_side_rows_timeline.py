@@ -50,10 +50,10 @@ def _side_stamped(x_ptr, y_ptr, stamps_ptr, N, x_row_stride, y_row_stride, LOG: 
     gdc_wait()
 
 
-def run(x, k, block, warps, clusters_too=True, per_cluster=False, queued=False):
+def run(x, k, block, warps, clusters_too=True, per_cluster=False, queued=False, log=False):
     M, N = x.shape
     y = torch.empty_like(x)
-    cfg = sm.forward_config(N, False, clusters=True)
+    cfg = sm.forward_config(N, log, clusters=True)
     xs, ys = x[:M - k], y[:M - k]
     ctas, shift = cluster.window(N, cfg["BLOCK"], xs, ys)
     c_stamps = torch.zeros(3 * 16 * 16, dtype=torch.int64, device=x.device)
@@ -61,11 +61,11 @@ def run(x, k, block, warps, clusters_too=True, per_cluster=False, queued=False):
     if queued:  # both launches queued behind ~0.3 ms of GPU sleep, as in a timed loop: no host latency between them
         torch.cuda._sleep(600_000)
     if clusters_too:
-        launched = cluster.launch(_clusters_stamped, M - k, ctas, xs, ys, c_stamps, M - k, N, N, N, 0, 1, LOG=False,
+        launched = cluster.launch(_clusters_stamped, M - k, ctas, xs, ys, c_stamps, M - k, N, N, N, 0, 1, LOG=log,
                                   BLOCK=cfg["BLOCK"], CLUSTER=ctas, CLUSTER_POW2=triton.next_power_of_2(ctas),
                                   PERSISTENT=True, SHIFT=shift, num_warps=cfg["num_warps"])
     if k:
-        _launch.launch(_side_stamped, (k,), x[M - k:], y[M - k:], s_stamps, N, N, N, LOG=False, BLOCK=block,
+        _launch.launch(_side_stamped, (k,), x[M - k:], y[M - k:], s_stamps, N, N, N, LOG=log, BLOCK=block,
                        ALIGN=_launch.row_alignment(N, N, N), num_warps=warps, launch_pdl=True)
     torch.cuda.synchronize()
     c = c_stamps[: 3 * launched * ctas].view(-1, 3).cpu() if clusters_too else None

@@ -4,9 +4,11 @@ main's code too, most often log_softmax or a machine's first run. Here both ops 
 as the bench times them (do_bench, L2 flushed, median) 24 times in turn, each with its
 spread, while nvidia-smi logs the SM clock, power and throttle reasons every 250 ms: a slow
 trial beside a low clock or a power cap points at the GPU's clocks; one at full clock points
-at the launch (a cluster not placed with the others, `exp_side_rows_timeline.py`).
+at the launch. Then the clusters and side rows one call at a time with every CTA's start and
+end stamped (`exp_side_rows_timeline.py`), 40 calls an op: in a slow call, clusters that
+start late (a cluster not placed with the others) or end late all together (the clock).
 
-    python scripts/exp_slow_mode.py   # on the GPU; writes smi.csv into --out (default .)
+    PYTHONPATH=.:scripts python scripts/exp_slow_mode.py --out $OUT   # on the GPU (smi.csv into --out)
 """
 
 import argparse
@@ -18,6 +20,7 @@ import torch
 from triton.testing import do_bench
 
 import pintail
+import exp_side_rows_timeline as timeline
 
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -40,6 +43,12 @@ def main():
                 pick = lambda q: times[min(int(len(times) * q), len(times) - 1)] * 1e3
                 print(f"t={time.time() - t0:.1f} s {name}: median {pick(0.5):.1f} us, min {pick(0):.1f}, "
                       f"p90 {pick(0.9):.1f}, max {pick(1):.1f}", flush=True)
+        flush = torch.empty(2**28, dtype=torch.int8, device="cuda")
+        for log in (False, True):
+            for trial in range(40):  # the library's side rows at 512 x 262144: 17
+                flush.zero_()
+                print(f"t={time.time() - t0:.1f} s log={log} stamped: {timeline.run(x, 17, 8192, 8, log=log)}",
+                      flush=True)
     finally:
         smi.terminate()
         smi.wait()
