@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 sm = importlib.import_module("pintail.softmax")
+cluster_ = importlib.import_module("pintail._cluster")
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -191,15 +192,6 @@ def _init_barriers(base, token):
 
 
 @triton.jit
-def _expect_words(bar, nbytes, token):
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 t, b;\n.reg .pred p;\n.reg .b64 s;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
-        "mov.u32 b, global_smem;\nadd.u32 b, b, $1;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 s, [b], $2;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, nbytes, token], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _send_to_peers(slot, bar, hi, lo, cluster):
     # thread t < cluster sends (hi, lo) to peer t's `slot`, counted on peer t's `bar`
     return tl.inline_asm_elementwise(
@@ -208,15 +200,6 @@ def _send_to_peers(slot, bar, hi, lo, cluster):
         "@p mapa.shared::cluster.u32 s, s, t;\n@p mapa.shared::cluster.u32 b, b, t;\n"
         "@p st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [s], {$3, $4}, [b];\nmov.b32 $0, 0;\n}",
         "=r,r,r,f,f,r", [slot, bar, hi, lo, cluster], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _wait_phase(bar, parity, token):
-    # spins inside the asm: a Triton while loop around it stops the pipeliner (no cp.async)
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 b;\n.reg .pred p;\nmov.u32 b, global_smem;\nadd.u32 b, b, $1;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [b], $2;\n@!p bra WAIT;\nmov.b32 $0, $3;\n}",
-        "=r,r,r,r", [bar, parity, token], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["SLOTS", "ROUNDS"])
@@ -239,9 +222,9 @@ def _forward_cluster_mbar_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride,
         e = tl.exp2((x - shift) * LOG2E)
         bar = SLOTS + (i % 2) * 8 + token * 0
         words = SLOTS + 16 + (i % 2) * (CLUSTER * 8)
-        token = _expect_words(bar, CLUSTER * 8, token)
+        token = cluster_.arrive_expecting(bar, CLUSTER * 8, token)
         token = _send_to_peers(words + rank * 8 + token * 0, bar, slice_max, tl.sum(e, axis=0), CLUSTER)
-        token = _wait_phase(bar, (i // 2) % 2, token)
+        token = cluster_.wait_phase(bar, (i // 2) % 2, token)
         maxes, sums = _load_local(words + peers * 8 + token * 0)
         row_max = tl.max(maxes, axis=0)
         log2_total = tl.log2(tl.sum(sums * tl.exp2((maxes - row_max) * LOG2E), axis=0))
@@ -277,7 +260,6 @@ def cluster_mbar_forward(x, block, warps, stages, log=False):
 
 
 launch_ = importlib.import_module("pintail._launch")
-cluster_ = importlib.import_module("pintail._cluster")
 
 
 @triton.jit
