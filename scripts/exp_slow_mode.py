@@ -1,4 +1,4 @@
-"""The slow mode at 262144 (session 50, prepared, not run): softmax / log_softmax over 512 x
+"""The slow mode at 262144 (session 50, prepared; run in 51): softmax / log_softmax over 512 x
 262144 bf16 sometimes measured 0.46-0.82 of copy where they otherwise read 0.90-0.92, in
 main's code too, most often log_softmax or a machine's first run. Here both ops are timed
 as the bench times them (do_bench, L2 flushed, median) 24 times in turn, each with its
@@ -7,6 +7,8 @@ trial beside a low clock or a power cap points at the GPU's clocks; one at full 
 at the launch. Then the clusters and side rows one call at a time with every CTA's start and
 end stamped (`exp_side_rows_timeline.py`), 40 calls an op: in a slow call, clusters that
 start late (a cluster not placed with the others) or end late all together (the clock).
+Run in session 51: one slow trial of 48 (softmax, median 180.7 us against 140.4), at 1980 MHz
+with no throttle reason; the 80 stamped calls all in step (docs/perf-notes.md).
 
     PYTHONPATH=.:scripts python scripts/exp_slow_mode.py --out $OUT   # on the GPU (smi.csv into --out)
 """
