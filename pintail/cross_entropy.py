@@ -634,16 +634,17 @@ def _probability_target_grads(grad, x, y, weight, stats, smoothing, softcap, nee
     lse - x' = (max - x') + log-sum and y' = (1 - e) y + e / V:
         loss = sum_j w_j y'_j (lse - x'_j) + z lse^2
         dloss/dy_j = (1 - e) w_j (lse - x'_j),   dloss/dw_j = y'_j (lse - x'_j)"""
-    x = x.float()
+    compute = stats.dtype  # float32, float64 for float64 logits
+    x = x.to(compute)
     if softcap > 0:
         x = softcap * torch.tanh(x / softcap)
-    gap = ((stats[:, :1] - x) + stats[:, 1:]) * grad.float()[:, None]
+    gap = ((stats[:, :1] - x) + stats[:, 1:]) * grad.to(compute)[:, None]
     dtarget = dweight = None
     if need_target:
         dtarget = gap * (1 - smoothing)
-        dtarget = (dtarget * weight.float() if weight is not None else dtarget).to(y.dtype)
+        dtarget = (dtarget * weight.to(compute) if weight is not None else dtarget).to(y.dtype)
     if need_weight:
-        dweight = (gap * ((1 - smoothing) * y.float() + smoothing / x.shape[1])).sum(0).to(weight.dtype)
+        dweight = (gap * ((1 - smoothing) * y.to(compute) + smoothing / x.shape[1])).sum(0).to(weight.dtype)
     return dtarget, dweight
 
 
@@ -652,21 +653,21 @@ class _Reduction:
     mean (divided by the kept rows' summed class weights; by the row count for probability
     targets). Also the derivative of that step, for the eager backward."""
 
-    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape):
-        self.reduction, self.batch_shape = reduction, batch_shape
+    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape, dtype):
+        self.reduction, self.batch_shape, self.dtype = reduction, batch_shape, dtype  # dtype: of the row losses
         self.target, self.weight, self.ignore_index, self.prob_target = target, weight, ignore_index, prob_target
         self._denominator = None
 
     def denominator(self):
         """The mean's denominator, made when first asked (the eager kernels compute their own)."""
         if self._denominator is None:
-            target, kept = self.target, self.target != self.ignore_index
+            target, kept, dtype = self.target, self.target != self.ignore_index, self.dtype
             if self.prob_target:
-                self._denominator = torch.full((), float(target.shape[0]), device=target.device)
+                self._denominator = torch.full((), float(target.shape[0]), dtype=dtype, device=target.device)
             elif self.weight is None:
-                self._denominator = kept.sum().float()
+                self._denominator = kept.sum().to(dtype)
             else:
-                self._denominator = (self.weight.float()[torch.where(kept, target, 0).long()] * kept).sum()
+                self._denominator = (self.weight.to(dtype)[torch.where(kept, target, 0).long()] * kept).sum()
         return self._denominator
 
     def __call__(self, rows):
@@ -677,7 +678,7 @@ class _Reduction:
     def row_gradients(self, grad, M):
         if self.reduction == "none":
             return grad.reshape(M)
-        return (grad if self.reduction == "sum" else grad / self.denominator()).float().expand(M)
+        return (grad if self.reduction == "sum" else grad / self.denominator()).to(self.dtype).expand(M)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -725,10 +726,12 @@ _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward
 
 
 @_forward_op.register_fake
-def _(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
-    M = x.shape[0]  # loss, (max, log-sum), mass
-    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, 2, dtype=torch.float32),
-            x.new_empty(_mass_rows(M, weight, smoothing, prob_target), dtype=torch.float32))
+def _cross_entropy_forward_fake(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
+    """Per row: loss (M,), (max, log-sum) (M, 2) and mass (_mass_rows); float32, float64 for
+    float64 logits."""
+    M, dtype = x.shape[0], torch.promote_types(x.dtype, torch.float32)
+    return (x.new_empty(M, dtype=dtype), x.new_empty(M, 2, dtype=dtype),
+            x.new_empty(_mass_rows(M, weight, smoothing, prob_target), dtype=dtype))
 
 
 def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -742,7 +745,9 @@ _backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backw
 
 
 @_backward_op.register_fake
-def _(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap, prob_target):
+def _cross_entropy_backward_fake(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap,
+                                 prob_target):
+    """dx: torch.empty_like of the (M, V) logits."""
     return torch.empty_like(x)
 
 
@@ -927,7 +932,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             else:
                 _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
-    reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape)
+    reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape,
+                        torch.promote_types(input.dtype, torch.float32))
     # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
     try:
         loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)

@@ -1208,6 +1208,17 @@ def backward_config(N, rms, dh=False, clusters=False):
 # --------------------------------------------------------------- tensor-level functions
 
 
+def _kernels_take(x, residual, out_dtype):
+    """The kernels take 16- and 32-bit rows; float64 anywhere goes to torch, in float64."""
+    return x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES and (residual is None
+                                                                         or residual.dtype in KERNEL_DTYPES)
+
+
+def _stats_dtype(held_dtype):
+    """mean / rstd (and the weight's and bias's gradient sums): float32, float64 for float64 rows."""
+    return torch.promote_types(held_dtype, torch.float32)
+
+
 def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
              bias: torch.Tensor | None, eps: float, weight_offset: float, rms: bool, out_dtype: torch.dtype,
              config: dict | None = None, stats: bool = True
@@ -1215,7 +1226,7 @@ def _forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     """(y, h, mean, rstd) for rows x[M, N]; h = x + residual (empty without residual); mean
     is empty for RMS. stats=False (no backward will run): mean and rstd come back empty, and
     the rows and long plans do not store them."""
-    if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES and out_dtype in KERNEL_DTYPES):
+    if not (runs_kernels(x) and _kernels_take(x, residual, out_dtype)):
         y, h, mean, rstd = reference.norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype)
         return (y, h, mean, rstd) if stats else (y, h, mean.new_empty(0), rstd.new_empty(0))
     M, N = x.shape
@@ -1447,19 +1458,22 @@ _forward_op = torch.library.custom_op("pintail::norm_forward", _forward_for_op, 
 
 
 @_forward_op.register_fake
-def _(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, stats):
+def _norm_forward_fake(x, residual, weight, bias, eps, weight_offset, rms, out_dtype, stats):
+    """y: (M, N) rows in out_dtype; h: x + residual in their promoted dtype, (0, N) without a
+    residual; mean (not for RMS) and rstd: one a row, only when stats, in _stats_dtype."""
     M, N = x.shape
-    h = x.new_empty(M, N, dtype=torch.promote_types(x.dtype, residual.dtype)) if residual is not None \
-        else x.new_empty(0, N, dtype=out_dtype)
-    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms or not stats else M, dtype=torch.float32),
-            x.new_empty(M if stats else 0, dtype=torch.float32))
+    held = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    h = x.new_empty(M if residual is not None else 0, N, dtype=held if residual is not None else out_dtype)
+    dtype = _stats_dtype(held)
+    return (x.new_empty(M, N, dtype=out_dtype), h, x.new_empty(0 if rms or not stats else M, dtype=dtype),
+            x.new_empty(M if stats else 0, dtype=dtype))
 
 
 def _backward_for_op(dy: torch.Tensor, dh: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
                      has_bias: bool, mean: torch.Tensor, rstd: torch.Tensor, weight_offset: float,
                      rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x.dtype)
-    empty = x.new_empty(0, dtype=torch.float32)
+    empty = x.new_empty(0, dtype=_stats_dtype(x.dtype))
     return dx, dw if dw is not None else empty, db if db is not None else empty
 
 
@@ -1467,10 +1481,13 @@ _backward_op = torch.library.custom_op("pintail::norm_backward", _backward_for_o
 
 
 @_backward_op.register_fake
-def _(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms):
-    N = x.shape[1]
-    return (torch.empty_like(x), x.new_empty(N if weight is not None else 0, dtype=torch.float32),
-            x.new_empty(N if has_bias else 0, dtype=torch.float32))
+def _norm_backward_fake(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms):
+    """dx: (M, N) rows in x's dtype; the weight's and bias's gradients (N, or 0 where absent)
+    in _stats_dtype."""
+    M, N = x.shape
+    dtype = _stats_dtype(x.dtype)
+    return (x.new_empty(M, N), x.new_empty(N if weight is not None else 0, dtype=dtype),
+            x.new_empty(N if has_bias else 0, dtype=dtype))
 
 
 def _setup_context(ctx, inputs, output):

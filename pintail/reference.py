@@ -51,11 +51,38 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
 
 def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_scale, softcap,
                                 prob_target):
-    """dloss/dx of cross_entropy_rows, given the gradient of each row's loss."""
-    with torch.enable_grad():
-        xg = x.detach().requires_grad_()
-        loss, _, _ = cross_entropy_rows(xg, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
-        (dx,) = torch.autograd.grad(loss, xg, grad.to(loss.dtype))
+    """dloss/dx of cross_entropy_rows, given the gradient of each row's loss, by the formulas
+    of pintail/cross_entropy.py (plain tensor math: a custom op may not run autograd inside)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    M, V = x.shape
+    if V == 0:
+        return x.new_empty(M, 0)
+    xc = x.to(compute)
+    if softcap > 0:
+        tanh = torch.tanh(xc / softcap)
+        xc = softcap * tanh
+    stats = stats.to(compute)
+    row_max, log_sum = stats[:, 0], stats[:, 1]
+    lse = row_max + log_sum
+    p = torch.exp(xc - (torch.where(torch.isinf(row_max), 0, row_max) + log_sum)[:, None])
+    w = weight.to(compute) if weight is not None else torch.ones(V, dtype=compute, device=x.device)
+    if prob_target:
+        y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
+        dx = p * (y.sum(1) + 2 * z_scale * lse)[:, None] - y
+    else:
+        ignored = target == ignore_index
+        in_range = (target >= 0) & (target < V)
+        safe = torch.where(in_range & ~ignored, target, 0).long()
+        w_t = (1 - smoothing) * w[safe]
+        dx = p * (w_t + smoothing / V * w.sum() + 2 * z_scale * lse)[:, None]
+        if smoothing > 0:
+            dx = dx - smoothing / V * w
+        dx = dx.scatter_add(1, safe[:, None], -w_t[:, None].expand(M, 1))
+        dx = torch.where(ignored[:, None], 0.0, dx)
+        dx = torch.where((in_range | ignored)[:, None], dx, float("nan"))
+    dx = dx * grad.to(compute)[:, None]
+    if softcap > 0:
+        dx = dx * (1 - tanh * tanh)
     return dx.to(x.dtype)
 
 
@@ -88,8 +115,9 @@ def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved,
 
 def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
     """(y, h, mean, rstd) of pintail/norm.py in torch, for rows x[M, N]."""
-    h = x + residual if residual is not None else x[:0]
-    v = (h if residual is not None else x).to(torch.promote_types(x.dtype, torch.float32))
+    h = x + residual if residual is not None else x.new_empty(0, x.shape[1], dtype=out_dtype)  # fresh, not a view
+    held = h if residual is not None else x
+    v = held.to(torch.promote_types(held.dtype, torch.float32))
     mean = v.new_empty(0) if rms else v.mean(1)  # RMS: not kept
     centred = v if rms else v - mean[:, None]
     rstd = torch.rsqrt(centred.square().mean(1) + eps)

@@ -160,13 +160,12 @@ def _rotate(x: torch.Tensor, y: torch.Tensor | None, cos: torch.Tensor, sin: tor
             backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation of x and of y (q and k; y may be None: then an empty second output), or
     its transpose, into new tensors of their layouts; one launch for both."""
-    tensors = [t for t in (x, y) if t is not None]
+    tensors = [unit_stride(t) for t in (x, y) if t is not None]
+    outs = [torch.empty_like(t) for t in tensors]  # the fake's rule, on both paths
     if not (runs_kernels(x) and all(t.dtype in KERNEL_DTYPES for t in tensors) and cos.dtype in KERNEL_DTYPES):
-        outs = [reference.rotary(t, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
-                for t in tensors]
+        for t, out in zip(tensors, outs):
+            out.copy_(reference.rotary(t, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward))
     else:
-        tensors = [unit_stride(t) for t in tensors]
-        outs = [torch.empty_like(t) for t in tensors]
         _launch(list(zip(tensors, outs)), cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward)
     return outs[0], (outs[1] if y is not None else x.new_empty(0))
 
@@ -232,7 +231,9 @@ _rotary_op = torch.library.custom_op("pintail::rotary", _rotate, mutates_args=()
 
 
 @_rotary_op.register_fake
-def _(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+def _rotary_fake(x, y, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
+    """Each output as torch.empty_like of its input with a unit last stride (x and y keep
+    their layouts: bshd, bhsd, or a transposed view's dense strides)."""
     return torch.empty_like(unit_stride(x)), (torch.empty_like(unit_stride(y)) if y is not None else x.new_empty(0))
 
 

@@ -926,18 +926,18 @@ def _kernels_take(*dtypes):
 
 
 def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    if not (runs_kernels(x) and _kernels_take(x.dtype, out_dtype)):
-        return reference.softmax_forward(x, dim, log, out_dtype)
     y = empty_like_rows(x, dim, out_dtype)
+    if not (runs_kernels(x) and _kernels_take(x.dtype, out_dtype)):
+        return y.copy_(reference.softmax_forward(x, dim, log, out_dtype))
     if x.numel() > 0:
         launch_forward(as_rows(x, dim), as_rows(y, dim), log)
     return y
 
 
 def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool, in_dtype: torch.dtype) -> torch.Tensor:
-    if not (runs_kernels(y) and _kernels_take(y.dtype, in_dtype)):
-        return reference.softmax_backward(y, dy, dim, log, in_dtype)
     dx = empty_like_rows(y, dim, in_dtype)
+    if not (runs_kernels(y) and _kernels_take(y.dtype, in_dtype)):
+        return dx.copy_(reference.softmax_backward(y, dy, dim, log, in_dtype))
     if y.numel() > 0:
         launch_backward(as_rows(y, dim), as_rows(dy.to(y.dtype), dim), as_rows(dx, dim), log)
     return dx
@@ -969,12 +969,14 @@ _backward_op = torch.library.custom_op("pintail::softmax_backward", _backward, m
 
 
 @_forward_op.register_fake
-def _(x, dim, log, out_dtype):
+def _softmax_forward_fake(x, dim, log, out_dtype):
+    """x's shape in out_dtype, each row along dim contiguous (empty_like_rows), on every path."""
     return empty_like_rows(x, dim, out_dtype)
 
 
 @_backward_op.register_fake
-def _(y, dy, dim, log, in_dtype):
+def _softmax_backward_fake(y, dy, dim, log, in_dtype):
+    """y's shape in in_dtype, each row along dim contiguous (empty_like_rows)."""
     return empty_like_rows(y, dim, in_dtype)
 
 

@@ -1,11 +1,16 @@
-"""Test setup. On CPU the suite runs the Triton kernels in the interpreter: TRITON_INTERPRET=1
-is set here before pintail is imported (kernels pick interpreter or compiler when they are
-defined), and the torch reference is made to raise, so a test passes only through a kernel.
-`--device cuda` runs the same tests compiled on a GPU."""
+"""Test setup. Three ways to run the suite:
+- `--device cpu` (the default): the Triton kernels in the interpreter. TRITON_INTERPRET=1 is
+  set here before pintail is imported (kernels pick interpreter or compiler when they are
+  defined), and the torch reference is made to raise, so a test passes only through a kernel.
+- `--device cpu --path reference`: the plain torch path a CPU user gets without the
+  interpreter (and that float64 takes everywhere); tests of kernel internals skip.
+- `--device cuda`: the same tests, compiled kernels on a GPU.
+"""
 
 import os
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,12 +18,79 @@ import torch
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", choices=["cpu", "cuda"],
                      help="cpu: Triton interpreter (the default); cuda: compiled kernels on the GPU")
+    parser.addoption("--path", default="kernels", choices=["kernels", "reference"],
+                     help="kernels: the Triton kernels (the default); reference: the plain torch path, CPU only")
+
+
+def reference_path(config) -> bool:
+    return config.getoption("path") == "reference"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "uses_reference: the test expects the torch reference path")
-    if config.getoption("device") == "cpu":
+    config.addinivalue_line("markers", "kernels_only: the test is about the kernels (plans, launches); "
+                                       "skipped on the reference path")
+    config.addinivalue_line("markers", "gpu_only: a property only a GPU can show (races, cross-program "
+                                       "waits, determinism across program orders); skipped on the CPU")
+    if reference_path(config):
+        if config.getoption("device") != "cpu":
+            raise pytest.UsageError("--path reference runs on the CPU only")
+        os.environ.pop("TRITON_INTERPRET", None)
+    elif config.getoption("device") == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
+        round_bf16_as_the_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    on_reference = reference_path(config)
+    on_cpu = config.getoption("device") == "cpu"
+    for item in items:
+        if on_reference and item.get_closest_marker("kernels_only"):
+            item.add_marker(pytest.mark.skip(reason="kernels only: not on the reference path"))
+        if on_cpu and item.get_closest_marker("gpu_only"):
+            item.add_marker(pytest.mark.skip(reason="GPU only: the interpreter runs programs one at a time"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many tests skipped, and why: CI's log shows what the CPU could not check."""
+    reasons = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped, by reason")
+        for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+def round_bf16_as_the_gpu():
+    """Triton 3.6's interpreter casts float32 to bfloat16 by dropping the low bits; the GPU
+    rounds to nearest even. Make the interpreter round as the GPU does (torch's cast is
+    round-to-nearest-even), so that bf16 tests measure the kernel users get."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def to_bf16(data):
+        values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+    builder = interpreter.InterpreterBuilder
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def rounded_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(to_bf16(src.data), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    def rounded_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16 and \
+                rounding_mode != interpreter._ir.ROUNDING_MODE.RTZ:
+            return interpreter.TensorHandle(to_bf16(src.data), dst_type.scalar)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl = rounded_cast  # create_fp_trunc and the other casts call it through self
+    builder.create_fp_to_fp = rounded_fp_to_fp
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +101,17 @@ def device(pytestconfig):
     return torch.device(name)
 
 
+@pytest.fixture(scope="session")
+def on_reference(pytestconfig):
+    """Whether the suite runs the plain torch path (no kernels)."""
+    return reference_path(pytestconfig)
+
+
 @pytest.fixture(autouse=True)
 def forbid_reference(request, monkeypatch):
-    """Every test must reach the kernels: the torch reference raises unless a test is
-    marked `uses_reference` (float64, which the kernels leave to torch)."""
-    if request.node.get_closest_marker("uses_reference"):
+    """On the kernel paths every test must reach the kernels: the torch reference raises
+    unless a test is marked `uses_reference` (float64, which the kernels leave to torch)."""
+    if request.node.get_closest_marker("uses_reference") or reference_path(request.config):
         return
     import pintail.reference as reference
 

@@ -1,32 +1,76 @@
-"""Comparison helpers: pintail against torch, with a float64 computation as the truth."""
+"""Comparison helpers: pintail against a float64 computation of the same quantity.
+
+One rule for the suite, entry by entry: |ours - truth| <= RTOL * (|truth| + scale), where
+RTOL is about one unit in the last place of the output's dtype and `scale` is the
+quantity's natural size (by default the root mean square of the truth), plus a bound on
+the norm-wise relative error. A wrong chunk, a dropped term or a zeroed tail fails it
+however small the entries it touches (tests/test_helpers.py feeds it such corruptions).
+"""
 
 import torch
 
-# Relative to the largest magnitude in the truth; torch in the same dtype is the other bar.
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+# One unit in the last place at 1 (the machine epsilon) of each output dtype: an output
+# rounded once to nearest errs by half of it; the bound leaves as much again for the float32
+# arithmetic before that rounding.
+RTOL = {torch.float64: 1e-12, torch.float32: 2.0**-19, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# The norm-wise relative error: rounding errors of random sign add up in quadrature.
+NORM_RTOL = {torch.float64: 1e-13, torch.float32: 2.0**-21, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def assert_matches(ours, truth, torch_same_dtype, unit=1e-2, factor=2):
-    """`ours` equals the float64 `truth` up to the dtype's tolerance, or errs no more than
-    `factor` times what torch errs in the same dtype; NaN and +-inf in the same places. The tolerance
-    is relative to the largest magnitude in the truth, or to `unit` where that is smaller
-    (a truth of exact zeros still allows rounding of the terms that cancel to it)."""
+def rms(t):
+    """Root mean square of the finite entries of t (0 for none)."""
+    t = t.detach().double()
+    t = t[torch.isfinite(t)]
+    return t.square().mean().sqrt().item() if t.numel() else 0.0
+
+
+def assert_matches(ours, truth, same_dtype=None, *, scale=None, rtol=None, norm_rtol=None):
+    """`ours` equals the float64 `truth` entry by entry within rtol * (|truth| + scale), and
+    its norm-wise relative error is at most norm_rtol (both by ours' dtype unless given);
+    NaN and +-inf in the same places. `same_dtype`: a tensor whose dtype ours must have
+    (torch's result in the same dtype). `scale`: the natural size of the quantity, which
+    bounds the absolute error where entries cancel to near 0: a number, or a tensor of one
+    for each entry (default: rms of the truth)."""
     assert ours.shape == truth.shape, (ours.shape, truth.shape)
-    assert ours.dtype == torch_same_dtype.dtype, (ours.dtype, torch_same_dtype.dtype)
-    ours64, truth64 = ours.detach().double().cpu(), truth.detach().double().cpu()
-    torch64 = torch_same_dtype.detach().double().cpu()
-    assert torch.equal(torch.isnan(ours64), torch.isnan(truth64)), "NaN in different places"
-    infinite = torch.isinf(truth64)
-    assert torch.equal(ours64[infinite], truth64[infinite]), "infinities differ"
-    finite = torch.isfinite(truth64)
+    if same_dtype is not None:
+        assert ours.dtype == same_dtype.dtype, (ours.dtype, same_dtype.dtype)
+    rtol = RTOL[ours.dtype] if rtol is None else rtol
+    norm_rtol = NORM_RTOL[ours.dtype] if norm_rtol is None else norm_rtol
+    got, want = ours.detach().double().cpu(), truth.detach().double().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), "NaN in different places"
+    infinite = torch.isinf(want)
+    assert torch.equal(got[infinite], want[infinite]), "infinities differ"
+    finite = torch.isfinite(want)
     if not finite.any():
         return
-    err = (ours64[finite] - truth64[finite]).abs().max().item()
-    torch_err = (torch64[finite] - truth64[finite]).abs().max().item()
-    scale = max(truth64[finite].abs().max().item(), unit)
-    allowed = max(factor * torch_err, TOLERANCE[ours.dtype] * scale)
-    assert err <= allowed, f"max error {err:.3g} > allowed {allowed:.3g} (torch errs {torch_err:.3g})"
+    if isinstance(scale, torch.Tensor):  # entry by entry
+        scale = scale.detach().double().cpu().expand(want.shape)[finite]
+    got, want = got[finite], want[finite]
+    scale = rms(want) if scale is None else scale
+    err = (got - want).abs()
+    # below the dtype's normal range its spacing is fixed: fp16 rounds 1e-6 to a multiple of 6e-8
+    allowed = rtol * (want.abs() + scale) + torch.finfo(ours.dtype).smallest_normal * rtol
+    worst = (err - allowed).argmax()
+    assert err[worst] <= allowed[worst], (
+        f"entry {worst.item()} of {want.numel()}: |{got[worst].item():.6g} - {want[worst].item():.6g}| = "
+        f"{err[worst].item():.3g} > {allowed[worst].item():.3g} (rtol {rtol:.3g}); "
+        f"{(err > allowed).sum().item()} entries out")
+    # norm-wise: ||ours - truth|| <= norm_rtol * (||truth|| + ||scale||), the scale's norm
+    # taken as if it stood at every entry
+    size = want.norm().item() + (scale.norm().item() if isinstance(scale, torch.Tensor)
+                                 else scale * want.numel() ** 0.5)
+    if size > 0:
+        relative = (got - want).norm().item() / size
+        assert relative <= norm_rtol, f"norm-wise relative error {relative:.3g} > {norm_rtol:.3g}"
+
+
+def assert_rows_sum_to_one(probabilities, dim=-1):
+    """Each row of a softmax sums to 1 to the output dtype's rounding of its entries."""
+    sums = probabilities.double().sum(dim)
+    n = probabilities.shape[dim]
+    allowed = RTOL[probabilities.dtype] * max(n, 1) ** 0.5
+    assert ((sums - 1).abs() <= allowed).all(), f"row sums off by up to {(sums - 1).abs().max().item():.3g}"
 
 
 def boundary_shifts(dtype, boundary):

@@ -215,3 +215,20 @@ def test_double_backward_raises(device):
     (grad,) = torch.autograd.grad((rotated * upstream).sum() + (x ** 3).sum(), x, create_graph=True)
     (second,) = torch.autograd.grad(grad.sum(), x)
     assert torch.allclose(second, 6 * x.detach(), atol=1e-5)
+
+
+@pytest.mark.kernels_only
+def test_bf16_stores_round_to_nearest_even(device):
+    """A float32 value stored to bf16 rounds to nearest even, as torch's cast and the GPU do
+    (the interpreter's own cast truncates; tests/conftest.py makes it round)."""
+    import triton.language as tl
+
+    @triton.jit
+    def store_bf16(x_ptr, y_ptr, N: tl.constexpr):
+        cols = tl.arange(0, N)
+        tl.store(y_ptr + cols, tl.load(x_ptr + cols).to(tl.bfloat16))
+
+    x = torch.randn(4096, device=device)
+    y = torch.empty(4096, dtype=torch.bfloat16, device=device)
+    store_bf16[(1,)](x, y, N=4096)
+    assert torch.equal(y, x.to(torch.bfloat16))

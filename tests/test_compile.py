@@ -1,0 +1,248 @@
+"""torch.library and torch.compile on every path: `torch.library.opcheck` of every pintail op
+over a grid of its arguments, and torch.compile(fullgraph=True, dynamic=True) with inductor
+of every public function, forward and backward, against float64 torch. The file runs on
+each path of the suite: the interpreter, the reference path (--path reference) and CUDA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pintail
+from helpers import assert_matches
+from test_rotary import hf_rotary, widen
+
+# ------------------------------------------------------------------------------- opcheck
+
+
+def dtypes_of(on_reference):
+    """float64 runs on the reference path only (the kernels leave it to torch)."""
+    return [torch.float32, torch.bfloat16] + ([torch.float64] if on_reference else [])
+
+
+def strided_rows(M, N, dtype, device):
+    """(M, N) rows with a row stride wider than N (a slice of a wider buffer)."""
+    return torch.randn(M, N + 3, dtype=dtype, device=device)[:, :N]
+
+
+def opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("case", ["last", "middle", "first", "empty", "transposed"])
+@pytest.mark.parametrize("log", [False, True])
+def test_opcheck_softmax(case, log, device, on_reference):
+    for dtype in dtypes_of(on_reference):
+        x, dim = {"last": (torch.randn(3, 37, dtype=dtype, device=device), -1),
+                  "middle": (torch.randn(2, 5, 9, dtype=dtype, device=device), 1),
+                  "first": (torch.randn(5, 7, dtype=dtype, device=device), 0),
+                  "empty": (torch.randn(0, 9, dtype=dtype, device=device), 1),
+                  "transposed": (torch.randn(11, 6, dtype=dtype, device=device).t(), 1)}[case]
+        out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        opcheck(torch.ops.pintail.softmax_forward.default, (x.requires_grad_(), dim, log, out_dtype))
+        y = torch.softmax(x.detach().to(out_dtype), dim)
+        opcheck(torch.ops.pintail.softmax_backward.default, (y, torch.randn_like(y), dim, log, dtype))
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("extras", ["plain", "residual", "weight_offset_bias", "strided", "empty"])
+def test_opcheck_norm(rms, extras, device, on_reference):
+    if extras == "residual" and not rms:
+        pytest.skip("LayerNorm takes no residual (pintail.layer_norm has none)")
+    for dtype in dtypes_of(on_reference):
+        M, N = (0 if extras == "empty" else 6), 40
+        x = strided_rows(M, N, dtype, device) if extras == "strided" else torch.randn(M, N, dtype=dtype, device=device)
+        residual = torch.randn(M, N, dtype=dtype, device=device) if extras == "residual" else None
+        weight = torch.randn(N, dtype=dtype, device=device)
+        bias = torch.randn(N, dtype=dtype, device=device) if extras == "weight_offset_bias" else None
+        offset = 1.0 if extras == "weight_offset_bias" else 0.0
+        for stats in (True, False):  # without stats (no backward to come) nothing requires grad
+            args = [t.clone().requires_grad_(stats) if t is not None else None for t in (x, residual, weight, bias)]
+            opcheck(torch.ops.pintail.norm_forward.default, (*args, 1e-5, offset, rms, dtype, stats))
+        y, h, mean, rstd = torch.ops.pintail.norm_forward.default(x, residual, weight, bias, 1e-5, offset, rms,
+                                                                  dtype, True)
+        held = h if residual is not None else x
+        dh = torch.randn_like(h) if residual is not None else None
+        opcheck(torch.ops.pintail.norm_backward.default,
+                (torch.randn_like(y), dh, held.contiguous(), weight, bias is not None, mean, rstd, offset, rms))
+
+
+@pytest.mark.parametrize("options", ["plain", "ignored_weight_smoothing", "z_softcap", "probabilities", "empty"])
+def test_opcheck_cross_entropy(options, device, on_reference):
+    for dtype in dtypes_of(on_reference):
+        M, V = (0 if options == "empty" else 7), 33
+        x = torch.randn(M, V, dtype=dtype, device=device) * 3
+        prob = options == "probabilities"
+        target = torch.softmax(torch.randn(M, V, device=device), 1).to(dtype) if prob else \
+            torch.randint(0, V, (M,), device=device)
+        if options == "ignored_weight_smoothing":
+            target[1] = -100
+        weight = torch.rand(V, dtype=dtype, device=device) if options in ("ignored_weight_smoothing",
+                                                                         "probabilities") else None
+        smoothing = 0.2 if options in ("ignored_weight_smoothing", "probabilities") else 0.0
+        z, cap = (1e-3, 12.0) if options == "z_softcap" else (0.0, 0.0)
+        options_args = (-100, smoothing, z, cap, prob)
+        opcheck(torch.ops.pintail.cross_entropy_forward.default,
+                (x.clone().requires_grad_(), target, weight, *options_args))
+        rows, stats, mass = torch.ops.pintail.cross_entropy_forward.default(x, target, weight, *options_args)
+        opcheck(torch.ops.pintail.cross_entropy_backward.default,
+                (torch.randn_like(rows), x, target, weight, stats, mass, *options_args))
+
+
+@pytest.mark.parametrize("case", ["bshd", "bhsd", "transposed", "interleaved_partial", "positions", "k_absent"])
+def test_opcheck_rotary(case, device, on_reference):
+    for dtype in dtypes_of(on_reference):
+        B, S, H, D = 2, 5, 3, 16
+        q = torch.randn(B, S, H, D, dtype=dtype, device=device)
+        k = torch.randn(B, S, 1, D, dtype=dtype, device=device)
+        seq_dim, rotary_dim, interleaved, positions = 1, D, False, None
+        if case == "bhsd":
+            q, k, seq_dim = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), 2
+        elif case == "transposed":  # (B, S, H, D) values held as a (B, H, S, D) buffer
+            q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+        elif case == "interleaved_partial":
+            rotary_dim, interleaved = 8, True
+        elif case == "positions":
+            positions = torch.randint(0, 9, (B, S), device=device)
+        cos, sin = torch.randn(9, rotary_dim // 2, dtype=dtype, device=device), \
+            torch.randn(9, rotary_dim // 2, dtype=dtype, device=device)
+        second = None if case == "k_absent" else k.requires_grad_()
+        for backward in (False, True):
+            opcheck(torch.ops.pintail.rotary.default,
+                    (q.clone().requires_grad_(), second, cos, sin, positions, seq_dim, 0, rotary_dim, interleaved,
+                     backward))
+
+
+# ------------------------------------------------------------------ compile, fullgraph
+
+
+def significant_strides(t):
+    """Strides of the dims longer than 1 (the others' strides mean nothing)."""
+    return tuple(stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+
+
+def compiled_matches(ours, truth, inputs, upstream_seed=0):
+    """ours(*inputs) compiled (inductor, fullgraph, dynamic shapes) against eager: outputs and
+    the gradients of every floating input that requires grad, same dtypes and layouts; and
+    both against `truth` on float64 copies. 16-bit gradients are compared with eager only:
+    they come from 16-bit forward outputs, so their error against float64 is the op's
+    conditioning, which the op's own tests bound entry by entry."""
+    def run(fn, leaves):
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        generator = torch.Generator().manual_seed(upstream_seed)
+        ups = [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device, o.dtype) for o in outs]
+        wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = torch.autograd.grad(outs, wrt, ups)
+        return outs, grads
+
+    def leaves(dtype=None):
+        return [t.detach().to(dtype or t.dtype).requires_grad_(t.requires_grad)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend="inductor")
+    eager_outs, eager_grads = run(ours, leaves())
+    outs, grads = run(compiled, leaves())
+    truth_outs, truth_grads = run(truth, leaves(torch.float64))
+    for got, eager, want, is_grad in zip((*outs, *grads), (*eager_outs, *eager_grads), (*truth_outs, *truth_grads),
+                                         [False] * len(outs) + [True] * len(grads)):
+        assert (got.dtype, got.shape, significant_strides(got)) == \
+            (eager.dtype, eager.shape, significant_strides(eager)), (got.dtype, got.stride(), eager.stride())
+        assert_matches(got, eager.double())
+        if not (is_grad and got.element_size() == 2):
+            assert_matches(got, want)
+
+
+def compile_dtypes(on_reference):
+    """The reference path computes what torch computes: float32 and float64 there; the
+    kernels in float32 and bf16."""
+    return [torch.float32, torch.float64] if on_reference else [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_compile_softmax(log, dim, device, on_reference):
+    for dtype in compile_dtypes(on_reference):
+        ours_fn, torch_fn = (pintail.log_softmax, torch.log_softmax) if log else (pintail.softmax, torch.softmax)
+        x = torch.randn(6, 37, dtype=dtype, device=device, requires_grad=True)
+        compiled_matches(lambda x: ours_fn(x * 2, dim), lambda x: torch_fn(x * 2, dim), [x])
+
+
+@pytest.mark.parametrize("kind", ["rms_residual_offset", "rms_plain", "layer"])
+def test_compile_norms(kind, device, on_reference):
+    for dtype in compile_dtypes(on_reference):
+        N = 48
+        x = torch.randn(3, 5, N, dtype=dtype, device=device, requires_grad=True)
+        r = torch.randn(3, 5, N, dtype=dtype, device=device, requires_grad=True)
+        w = torch.randn(N, dtype=dtype, device=device, requires_grad=True)
+        b = torch.randn(N, dtype=dtype, device=device, requires_grad=True)
+        eps = 1e-6
+        if kind == "rms_residual_offset":
+            compiled_matches(lambda x, r, w: pintail.rms_norm(x * 2, (N,), w, eps, residual=r, weight_offset=1.0),
+                             lambda x, r, w: (F.rms_norm(x * 2 + r, (N,), w + 1.0, eps), x * 2 + r), [x, r, w])
+        elif kind == "rms_plain":
+            compiled_matches(lambda x, w: pintail.rms_norm(x * 2, (N,), w, eps),
+                             lambda x, w: F.rms_norm(x * 2, (N,), w, eps), [x, w])
+        else:
+            compiled_matches(lambda x, w, b: pintail.layer_norm(x * 2, (N,), w, b, eps),
+                             lambda x, w, b: F.layer_norm(x * 2, (N,), w, b, eps), [x, w, b])
+
+
+@pytest.mark.parametrize("options", [dict(), dict(weight=True, label_smoothing=0.1),
+                                     dict(reduction="none", z_loss=1e-3, softcap=8.0), dict(probabilities=True)],
+                         ids=["plain", "weight_smoothing", "none_z_softcap", "probabilities"])
+def test_compile_cross_entropy(options, device, on_reference):
+    for dtype in compile_dtypes(on_reference):
+        options = dict(options)
+        M, V = 9, 50
+        x = (torch.randn(M, V, device=device) * 3).to(dtype).requires_grad_()
+        if options.pop("probabilities", False):
+            target = torch.softmax(torch.randn(M, V, device=device), 1).to(dtype)
+        else:
+            target = torch.randint(0, V, (M,), device=device)
+            target[2] = -100
+        weight = torch.rand(V, device=device).to(dtype) if options.pop("weight", False) else None
+        z, cap = options.pop("z_loss", 0.0), options.pop("softcap", None)
+
+        def ours(x, weight):
+            return pintail.cross_entropy(x * 2, target, weight, z_loss=z, softcap=cap, **options)
+
+        def theirs(x, weight):
+            logits = x * 2 if cap is None else cap * torch.tanh(x * 2 / cap)
+            loss = F.cross_entropy(logits, target.to(x.dtype) if target.is_floating_point() else target, weight,
+                                   **options)
+            return loss + z * torch.logsumexp(logits, 1) ** 2 * (target != -100) if z else loss
+
+        compiled_matches(ours, theirs, [x, weight])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "transposed_view", "interleaved_partial", "positions"])
+def test_compile_rotary(layout, device, on_reference):
+    for dtype in compile_dtypes(on_reference):
+        B, S, H, D = 2, 6, 3, 16
+        rotary_dim = 8 if layout == "interleaved_partial" else D
+        interleaved = layout == "interleaved_partial"
+        positions = torch.randint(0, 10, (B, S), device=device) if layout == "positions" else None
+        rows = positions if positions is not None else torch.arange(S, device=device).expand(B, S)
+        cos = torch.randn(10, rotary_dim // 2, dtype=dtype, device=device)
+        sin = torch.randn(10, rotary_dim // 2, dtype=dtype, device=device)
+        q = torch.randn(B, S, H, D, dtype=dtype, device=device)
+        k = torch.randn(B, S, 1, D, dtype=dtype, device=device)
+        pintail_layout = "bhsd" if layout == "bhsd" else "bshd"
+        if layout == "bhsd":
+            q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        elif layout == "transposed_view":
+            q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+        q.requires_grad_(), k.requires_grad_()
+
+        def ours(q, k):
+            return pintail.apply_rotary(q * 2, k * 2, cos, sin, position_ids=positions,
+                                        layout=pintail_layout, rotary_dim=rotary_dim, interleaved=interleaved)
+
+        def theirs(q, k):
+            c, s = widen(cos[rows], interleaved).to(q.dtype), widen(sin[rows], interleaved).to(q.dtype)
+            move = (lambda t: t.transpose(1, 2)) if layout == "bhsd" else (lambda t: t)
+            return tuple(move(hf_rotary(move(t * 2), c, s, interleaved)) for t in (q, k))
+
+        compiled_matches(ours, theirs, [q, k])
