@@ -13,8 +13,10 @@ import torch
 # rounded once to nearest errs by half of it; the bound leaves as much again for the float32
 # arithmetic before that rounding.
 RTOL = {torch.float64: 1e-12, torch.float32: 2.0**-19, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-# The norm-wise relative error: rounding errors of random sign add up in quadrature.
-NORM_RTOL = {torch.float64: 1e-13, torch.float32: 2.0**-21, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# The norm-wise relative error, below the entry-wise bound: an output whose every entry errs
+# near that bound fails. 16-bit outputs: half (roundings of random sign add in quadrature);
+# float32: 3/4 (errors of exp and log are partly systematic).
+NORM_RTOL = {torch.float64: 1e-13, torch.float32: 0.75 * 2.0**-19, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
