@@ -4,8 +4,11 @@ import torch
 
 
 def softmax_forward(x, dim, log, out_dtype):
+    """In float32 at least, rounded once to out_dtype, as the kernels (torch's dtype= casts the
+    input first)."""
     op = torch.log_softmax if log else torch.softmax
-    return op(x, dim, dtype=out_dtype)
+    compute = torch.promote_types(torch.promote_types(x.dtype, out_dtype), torch.float32)
+    return op(x.to(compute), dim).to(out_dtype)
 
 
 def softmax_backward(y, dy, dim, log, in_dtype):
@@ -27,7 +30,7 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
         x = softcap * torch.tanh(x / softcap)
     V = x.shape[1]
     row_max = x.max(1).values if V else x.new_zeros(x.shape[0])
-    shifted = x - torch.where(torch.isinf(row_max), 0, row_max)[:, None]
+    shifted = x - torch.where(row_max == -float("inf"), 0, row_max)[:, None]
     log_sum = torch.logsumexp(shifted, dim=1)
     lse = row_max + log_sum
     stats = torch.stack([row_max, log_sum], 1)
@@ -38,6 +41,9 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
         return -torch.where(y != 0, y * logp, 0).sum(1) + z_scale * lse**2, stats, y.sum(1)
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < V)
+    if V == 0:  # no class: every kept row's target is out of range
+        loss = torch.where(ignored, 0.0, torch.full_like(lse, float("nan")))
+        return loss, stats, x.new_empty(0)
     safe = torch.where(in_range & ~ignored, target, 0).long()
     loss = -(1 - smoothing) * w[safe] * logp.gather(1, safe[:, None])[:, 0] + z_scale * lse**2
     if smoothing > 0:
@@ -64,7 +70,7 @@ def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, sm
     stats = stats.to(compute)
     row_max, log_sum = stats[:, 0], stats[:, 1]
     lse = row_max + log_sum
-    p = torch.exp(xc - (torch.where(torch.isinf(row_max), 0, row_max) + log_sum)[:, None])
+    p = torch.exp((xc - torch.where(row_max == -float("inf"), 0, row_max)[:, None]) - log_sum[:, None])  # x - max exact
     w = weight.to(compute) if weight is not None else torch.ones(V, dtype=compute, device=x.device)
     if prob_target:
         y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
@@ -78,11 +84,12 @@ def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, sm
         if smoothing > 0:
             dx = dx - smoothing / V * w
         dx = dx.scatter_add(1, safe[:, None], -w_t[:, None].expand(M, 1))
-        dx = torch.where(ignored[:, None], 0.0, dx)
-        dx = torch.where((in_range | ignored)[:, None], dx, float("nan"))
     dx = dx * grad.to(compute)[:, None]
     if softcap > 0:
         dx = dx * (1 - tanh * tanh)
+    if not prob_target:  # ignored rows: 0, NaN only where their softmax is (whatever the upstream)
+        dx = torch.where(ignored[:, None], p * 0, dx)
+        dx = torch.where((in_range | ignored)[:, None], dx, float("nan"))
     return dx.to(x.dtype)
 
 

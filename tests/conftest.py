@@ -8,6 +8,7 @@
 """
 
 import os
+import random
 import zlib
 
 import numpy as np
@@ -20,6 +21,8 @@ def pytest_addoption(parser):
                      help="cpu: Triton interpreter (the default); cuda: compiled kernels on the GPU")
     parser.addoption("--path", default="kernels", choices=["kernels", "reference"],
                      help="kernels: the Triton kernels (the default); reference: the plain torch path, CPU only")
+    parser.addoption("--fuzz-seeds", type=int, default=0,
+                     help="test_fuzz.py: this many fresh random seeds instead of the fixed 0 and 1")
 
 
 def reference_path(config) -> bool:
@@ -32,6 +35,8 @@ def pytest_configure(config):
                                        "skipped on the reference path")
     config.addinivalue_line("markers", "gpu_only: a property only a GPU can show (races, cross-program "
                                        "waits, determinism across program orders); skipped on the CPU")
+    if config.getoption("fuzz_seeds"):  # one draw for the run: pytest-xdist's workers must agree
+        os.environ.setdefault("PINTAIL_FUZZ_BASE", str(random.SystemRandom().randrange(2**63)))
     if reference_path(config):
         if config.getoption("device") != "cpu":
             raise pytest.UsageError("--path reference runs on the CPU only")

@@ -164,6 +164,7 @@ def test_class_targets(dtype, V, options, device):
                                      {"reduction": "none", "label_smoothing": 0.1}, {"z_loss": 1e-3, "softcap": 15.0}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("boundary", [16, 128])
+@pytest.mark.kernels_only
 def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary, monkeypatch, device):
     """ODD_VOCAB_SHIFT (on since session 24; set here whatever the default): class-index rows of a
     length no vector width divides go from their first 16-byte boundary, the classes outside
@@ -195,6 +196,7 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
 @pytest.mark.parametrize("options", [{}, {"weight": "w", "label_smoothing": 0.25}, {"z_loss": 1e-3, "softcap": 15.0},
                                      {"reduction": "none"}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.kernels_only
 def test_probability_targets_from_16_byte_boundaries(dtype, V, target_dtype, options, monkeypatch, device):
     """Probability targets over odd vocabularies: the logits (a view 16 classes wider a
     row than the targets and the gradient) and the targets go from the same boundary in both
@@ -242,6 +244,7 @@ def test_weight_rows_for_rows_from_boundaries(dtype):
 
 
 @pytest.mark.parametrize("V", [1001, 4099])
+@pytest.mark.kernels_only
 def test_weight_total_from_the_forward(V, device):
     """With weights and smoothing the forward sums the weights it reads (the table's rows and
     the row's ends, SHIFT) into mass, a row: W, which the loss and the backward take."""
@@ -258,6 +261,7 @@ def test_weight_total_from_the_forward(V, device):
 @pytest.mark.parametrize("V, even", [(2 * ce_module.FORWARD_BLOCKS[0], True), (ce_module.FORWARD_BLOCKS[0] + 16, False)])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "weight": "w"}, {"softcap": 20.0}, {"prob": True}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.kernels_only
 def test_forward_rows_of_whole_chunks(V, even, options, monkeypatch, device):
     """Rows of whole chunks (from their start) take the forward's unmasked loads (EVEN), and
     only those; the loss matches torch's either way."""
@@ -287,6 +291,7 @@ def test_backward_chunks_fill_the_row():
 @pytest.mark.parametrize("V, block, options", [(12288, 4096, {}), (10240, 2048, {}), (16384, 8192, {}),
                                               (16384, 2048, {"softcap": 20.0}),
                                               (16384, 2048, {"weight": "w", "label_smoothing": 0.1})])
+@pytest.mark.kernels_only
 def test_backward_runs_in_the_chunks_chosen(V, block, options, monkeypatch, device):
     """The backward kernel runs in the chunks `_backward_chunks` picks (12288: three of 4096,
     not two of 8192; 10240: five of 2048; a softcap, or weights with smoothing: 2048), and
@@ -593,6 +598,7 @@ def test_targets_and_weights_of_any_strides(layout, device):
     check(x, target, weight=weight, label_smoothing=0.1)
 
 
+@pytest.mark.kernels_only
 def test_long_rows_need_no_copy(device, monkeypatch):
     """Logits that are a slice of a wider buffer reach the kernels as they are."""
     seen = []
@@ -626,6 +632,7 @@ def test_unchecked_bad_target_gives_nan_not_a_wild_read(device):
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.kernels_only
 def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, device):
     """The eager check: a kernel counts out-of-range targets, and only then is the target
     read on the host to name it (a good target costs no host-side scan)."""
@@ -644,6 +651,7 @@ def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, devic
     assert len(scans) == 2
 
 
+@pytest.mark.kernels_only
 def test_check_kernel_counts_bad_targets_past_its_block(device):
     """The check kernel loops over blocks of targets: bad ones in the second and third count."""
     target = torch.randint(0, 50, (2 * ce_module.TARGET_CHECK_BLOCK + 5,), device=device)
