@@ -323,6 +323,19 @@ def _check(name, tensors, cos, sin, layout, rotary_dim, position_ids, cu_seqlens
     return seq_dim, rotary_dim
 
 
+def _check_cu_seqlens(name, cu_seqlens, total):
+    """Eager only (one host synchronisation): cumulative lengths from 0 to the token count."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 \
+            or cu_seqlens.dtype.is_floating_point:
+        got = f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor) \
+            else type(cu_seqlens).__name__
+        raise ValueError(f"{name}: cu_seqlens must be a 1-d integer tensor (num_seqs + 1,), got {got}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name}: cu_seqlens must start at 0, never decrease and end at the token count {total}, "
+                         f"got {values[:8]}{' ...' if len(values) > 8 else ''}")
+
+
 def _check_positions(name, positions, rows):
     """Eager only: positions past the table raise (one host synchronisation)."""
     if positions.numel() and bool(((positions < 0) | (positions >= rows)).any()):
@@ -350,8 +363,9 @@ def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bsh
     Backward through autograd (the transpose rotation); cos and sin get no gradient. q and k
     go through one launch and one autograd node: taking their gradients in two separate
     torch.autograd.grad calls needs retain_graph=True on the first.
-    Positions past the table: eager raises (position_ids and cu_seqlens are read on the host
-    for that); under torch.compile or CUDA-graph capture those tokens come out NaN.
+    Positions past the table, or cu_seqlens that do not run from 0 to the token count without
+    decreasing: eager raises (position_ids and cu_seqlens are read on the host for that);
+    under torch.compile or CUDA-graph capture they are not checked (such tokens come out NaN).
     """
     return _apply("pintail.apply_rotary", (("q", q), ("k", k)), cos, sin, position_ids, seq_offset, layout,
                   rotary_dim, interleaved, cu_seqlens, inplace)
@@ -369,9 +383,11 @@ def _apply(name, tensors, cos, sin, position_ids, seq_offset, layout, rotary_dim
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():  # the kernel reads both with cos's strides
         cos, sin = cos.contiguous(), sin.contiguous()
     positions = position_ids
-    if cu_seqlens is not None:
-        positions = _positions_from(cu_seqlens, tensors[0][1].shape[0], seq_offset)
     tracing = torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing())
+    if cu_seqlens is not None:
+        if not tracing:
+            _check_cu_seqlens(name, cu_seqlens, tensors[0][1].shape[0])
+        positions = _positions_from(cu_seqlens, tensors[0][1].shape[0], seq_offset)
     if positions is not None and not tracing:
         _check_positions(name, positions, cos.shape[0])
     x, y = [t.unsqueeze(0) if cu_seqlens is not None else t for _, t in tensors] + [None] * (2 - len(tensors))

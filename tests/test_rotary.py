@@ -112,6 +112,48 @@ def test_packed_sequences(device):
     check(batch_of_one, out[None], widen(cos[rows], False), widen(sin[rows], False), False, "bshd")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim, offset", [(16, 0), (8, 3)], ids=["full", "partial_offset"])
+def test_packed_sequences_every_option(dtype, interleaved, rotary_dim, offset, device):
+    """Packed batches with cu_seqlens over dtypes, both pairings, partial rotary and an offset
+    (every sequence's positions start at it)."""
+    lengths = [2, 1, 4]
+    cu_seqlens = torch.tensor([0, 2, 3, 7], device=device, dtype=torch.int32)
+    H, D = 3, 16
+    cos, sin = tables(12, rotary_dim, device)
+    batch_of_one = torch.randn(1, sum(lengths), H, D, device=device).to(dtype).requires_grad_()
+    out = pintail.rotary(batch_of_one[0], cos.to(dtype), sin.to(dtype), cu_seqlens=cu_seqlens, rotary_dim=rotary_dim,
+                         interleaved=interleaved, seq_offset=offset)
+    rows = torch.cat([torch.arange(n, device=device) + offset for n in lengths])[None, :]
+    check(batch_of_one, out[None], widen(cos.to(dtype)[rows], interleaved), widen(sin.to(dtype)[rows], interleaved),
+          interleaved, "bshd")
+
+
+@pytest.mark.parametrize("cu_seqlens, message", [
+    ([1, 3, 7], "start at 0"), ([0, 4, 3, 7], "never decrease"), ([0, 3, 6], "end at the token count 7"),
+    ([[0, 7]], "1-d integer"), ([], "1-d integer")])
+def test_bad_cu_seqlens_raise(cu_seqlens, message, device):
+    x = torch.randn(7, 2, 16, device=device)
+    cos, sin = tables(8, 16, device)
+    with pytest.raises(ValueError, match=message):
+        pintail.rotary(x, cos, sin, cu_seqlens=torch.tensor(cu_seqlens, device=device, dtype=torch.int32),
+                       rotary_dim=16)
+
+
+def test_empty_inputs(device):
+    """No tokens: empty outputs and gradients, packed (cu_seqlens = [0]) or not."""
+    cos, sin = tables(4, 16, device)
+    for x, extra in ((torch.randn(0, 2, 16, device=device), dict(cu_seqlens=torch.zeros(1, dtype=torch.int32,
+                                                                                          device=device))),
+                     (torch.randn(2, 0, 2, 16, device=device), {})):
+        x.requires_grad_()
+        out = pintail.rotary(x, cos, sin, rotary_dim=16, **extra)
+        assert out.shape == x.shape
+        (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        assert dx.shape == x.shape
+
+
 def test_strided_views(device):
     """q, k, v sliced out of one fused projection: strided heads, no copy."""
     B, S, H, D = 2, 5, 4, 16
