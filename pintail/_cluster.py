@@ -74,8 +74,8 @@ def window(N: int, block: int, *rows: torch.Tensor, boundary: int = 16) -> tuple
     then starts the same distance before a boundary); SHIFT 0: the slices start at the row's
     start, where not even 16 bytes qualify. `boundary` 128 starts the slices on whole L2
     lines: from 16-byte boundaries each warp's 512-byte access straddles 5 lines and 17
-    sectors, two warps fetching the sectors at its ends (session 24, Nsight Compute). Only
-    cross-entropy's backward takes it (session 25, H200, bf16, 16 -> 128: 0.85 -> 0.88 at
+    sectors, two warps fetching the sectors at its ends (Nsight Compute). Only
+    cross-entropy's backward takes it (H200, bf16, 16 -> 128: 0.85 -> 0.88 at
     V = 128257). Where up to 2 x 63 end elements must reduce across warps first it lost:
     softmax's cluster forward 0.90 -> 0.83 at 131065, the row-shift forward 0.80 -> 0.78 at
     12289, log_softmax's row-shift backward 0.93 -> 0.88 at 12289 (softmax's there gained

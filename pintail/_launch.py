@@ -18,7 +18,7 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. triton.cdiv is a constexpr function: ~5-10 us a call on the
-    host, and a call of ours makes several (scripts/exp_ce_overhead.py style profiles)."""
+    host, and a call of ours makes several."""
     return -(-a // b)
 
 
@@ -56,7 +56,7 @@ def in_row(cols, N, EVEN: tl.constexpr):
     chunks (EVEN: N a multiple of the chunk), so that the loads and stores compile without
     masks. ptxas zeroes a masked load's registers first and keeps the predicated loads in
     order: the norms' long kernel issued pass 2's loads two at a time where unmasked ones go
-    out four at a time, as torch.compile's kernel does (sm_90 SASS, scripts/load_order.py)."""
+    out four at a time, as torch.compile's kernel does (sm_90 SASS)."""
     if EVEN:
         return tl.full(cols.shape, 1, tl.int1)
     else:
@@ -79,7 +79,7 @@ def widened_tail(tail: int, num_warps: int, values: int = 8) -> int:
     thread at num_warps; 8: a 16-byte vector of 16-bit values. A narrower tail tile took
     8-byte loads and a layout of its own, converted with 27-30 barriers a row against 11
     (sm_90); on the H200, bf16, LayerNorm's forward at 4608 = 4096 + 512 / 4 warps read 0.60
-    of copy, with the tail widened to 1024 0.93 (session 34)."""
+    of copy, with the tail widened to 1024 0.93."""
     return max(tail, values * 32 * num_warps)
 
 
@@ -101,7 +101,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 
     Triton's own launch re-reads its settings from the environment, checks the kernel's
     globals and looks up the device and stream through its driver on every call. On the
-    H200 machine (scripts/exp_host_gaps.py) that took 29-36 us a launch, this function 23 us,
+    H200 machine that took 29-36 us a launch, this function 23 us,
     and the compiled kernel's launcher alone 7-10 us. The rest is Triton's binder (see
     compiled_for). Launch hooks (knobs.runtime.launch_enter_hook) are not called. The
     interpreter takes the ordinary path, and so does a Triton other than 3.6, whose

@@ -183,7 +183,7 @@ def _time_ms(fn):
     torch.cuda.synchronize()
     # 200 ms of warm-up, not do_bench's 25: the GPU's clocks fall while it idles (torch.compile
     # compiling the previous provider), and the first shape timed after such a pause ran up
-    # to 1.5x slower (scripts/exp_host_gaps.py, docs/perf-notes.md).
+    # to 1.5x slower.
     return do_bench(fn, warmup=200, rep=100, return_mode="median")
 
 
@@ -241,8 +241,8 @@ def benchmark(args):
             nbytes = sum(t.numel() for t in inputs) * elem * op.directions[direction]
             # The backward on the calling thread, not autograd's per-device worker: handing
             # each grad() to that thread put 0.1-0.3 ms of host time into some samples of the
-            # ~0.2-0.45 ms steps, moving a row by up to 0.4 between runs with the same kernels
-            # (scripts/exp_bench_spread.py). The GPU work is the same; every provider alike.
+            # ~0.2-0.45 ms steps, moving a row by up to 0.4 between runs with the same kernels.
+            # The GPU work is the same; every provider alike.
             with torch.autograd.set_multithreading_enabled(False):
                 ms = _time_ms(_step(fn, direction, inputs, others))
             tbps = nbytes / (ms * 1e-3) / 1e12

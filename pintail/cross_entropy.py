@@ -68,7 +68,7 @@ def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, i
     # sum / mean of the M row losses, one program, in a fixed order (deterministic), and for
     # mean the kept rows' class weights. A launch of its own: when every row program of the
     # forward counted its arrival with an acq_rel atomic for the last one to reduce, the
-    # forward at V = 32768 took 74.6 us instead of 65.8 (scripts/exp_ce_forward.py).
+    # forward at V = 32768 took 74.6 us instead of 65.8.
     total = 0.0
     denominator = 0.0
     for start in range(0, M, BLOCK):
@@ -134,8 +134,8 @@ def _fold_chunk(x, v, running_max, running_sum, anchor, weighted_x, mass, SMOOTH
     smoothing, into sum_j v_j (x_j - anchor), with v the chunk's weights of that sum
     (WEIGHTED; else v is the chunk's mask: weight 1) and, with MASS, into sum_j v_j. The
     caller loads v beside x, before the max: a load the compiler finds after the max's
-    barrier is issued there and waits alone (weights + smoothing: 0.38 of copy, session
-    27). The anchor is the row's first finite max (0 before it, while every logit so far is
+    barrier is issued there and waits alone (weights + smoothing: 0.38 of
+    copy). The anchor is the row's first finite max (0 before it, while every logit so far is
     -inf, whatever the anchor): the terms need no rescaling when the max moves, and every
     sum of a chunk goes through one reduction (one barrier a chunk fewer than two sums; a
     tl.reduce of the tuple is the same code on the GPU, but a Python loop in the interpreter)."""
@@ -434,7 +434,7 @@ def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coe
 # 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93. The forward's
 # chunk: the first of FORWARD_BLOCKS for the class-index loss without smoothing, the second
 # for the bodies that hold more a chunk (probability targets: 165-207 registers at 8192, two
-# programs an SM; label smoothing). Session 27, H200, bf16, M = 4096, kernel alone, one run
+# programs an SM; label smoothing). H200, bf16, M = 4096, kernel alone, one run
 # each, 8192 -> 4096 (4 warps), V = 32768 / 50257 / 131072: probability targets 0.68 / 0.65
 # / 0.75 -> 0.83 / 0.83 / 0.88 (262144: 0.75 -> 0.86; 2048 read 0.80-0.84, 8 warps below 4
 # but at 8192), smoothing 0.70 / 0.68 / 0.80 -> 0.71 / 0.72 / 0.82, weights and smoothing
@@ -444,20 +444,20 @@ FORWARD_BLOCKS, FORWARD_WARPS = (8192, 4096), 4
 # One program each, a block of rows per step: in steps of 1024 (a load latency each) the
 # reduction of 4096 rows took 6.8 us and the check of 4096 targets 2.8 us. The check in one
 # step, with its count written into pinned memory (no copy after it): checked forward
-# 0.87-0.89 -> 0.91-0.93 of copy at V = 128256-131072 (session 12).
+# 0.87-0.89 -> 0.91-0.93 of copy at V = 128256-131072.
 REDUCE_BLOCK, REDUCE_WARPS = 4096, 8
 TARGET_CHECK_BLOCK = 4096
 # The backward's chunks. A program takes about the same time however full its chunk is (one
 # load round trip, one store), so a row's last, partly empty chunk costs a whole program:
 # V = 50304 in chunks of 8192 fills them to 0.88, and read 0.83 against 0.89 at 32768. The
 # largest of BACKWARD_BLOCKS whose chunks fill the row's sliced part to BACKWARD_FILL, else
-# the smallest. Session 25, H200, bf16, M = 4096, kernel alone, one run each, (8192, 8 warps)
+# the smallest. H200, bf16, M = 4096, kernel alone, one run each, (8192, 8 warps)
 # -> this: 50304 0.825 -> 0.910 (2048), 50257 0.790 -> 0.862 (2048), 128256 0.902 -> 0.921
 # (2048), 151936 0.899 -> 0.913 (2048), 131072 0.914 -> 0.928 (8192), 262144 0.910 -> 0.926
 # (8192), 32768 0.886 -> 0.885 (8192; 2048 read 0.913 there), 128257 0.876 -> 0.873 (2048).
 # 4 warps: at 8192 4 read 0.000-0.016 above 8 at all eight sizes; at 2048 2 and 4 tied.
 # Heavy bodies (softcap, or class weights with smoothing: 127-254 registers at 8192 / 4
-# warps, 32-56 at 2048) take the smallest chunk whatever the fill. Session 26, kernel alone,
+# warps, 32-56 at 2048) take the smallest chunk whatever the fill. Kernel alone,
 # V = 32768 / 50257 / 131072, 8192 -> 2048 (4 warps): softcap 0.59 / 0.73 / 0.61 -> 0.88 /
 # 0.88 / 0.80, weights and smoothing 0.77 / 0.67 / 0.83 -> 0.84 / 0.82 / 0.88, every option
 # 0.53 / 0.60 / 0.56 -> 0.78 / 0.73 / 0.72 (4096 / 8 warps: 0.84 and 0.77 at 131072, below
@@ -467,8 +467,8 @@ BACKWARD_BLOCKS, BACKWARD_FILL, BACKWARD_WARPS = (8192, 4096, 2048), 0.99, 4
 
 # Vocabularies no vector width divides (32001, 50257) go from each row's first 16-byte
 # boundary, the classes outside its whole 16-byte pieces one at a time (SHIFT, as softmax's
-# long rows); probability targets too (since session 27: their rows from the same boundary as
-# the logits', where their strides agree). Session 24, class indices, H200, bf16, M*V = 2^27, kernels
+# long rows); probability targets too (their rows from the same boundary as
+# the logits', where their strides agree). Class indices, H200, bf16, M*V = 2^27, kernels
 # alone, off / on alternating, forward / backward fraction of copy (2-byte loads -> SHIFT): 32001
 # 0.66 / 0.57 -> 0.77 / 0.83, 50257 0.68 / 0.53 -> 0.80 / 0.77, 128257 0.78 / 0.57 -> 0.94 /
 # 0.85, 151937 0.79 / 0.57 -> 0.95 / 0.84, 256001 0.80 / 0.57 -> 0.97 / 0.84 (4 runs each at
@@ -476,7 +476,7 @@ BACKWARD_BLOCKS, BACKWARD_FILL, BACKWARD_WARPS = (8192, 4096, 2048), 0.99, 4
 # repeated). ODD_VOCAB_SHIFT False: the 2-byte loads (tune_cross_entropy.py --odd-vocab-shift
 # compares the two).
 ODD_VOCAB_SHIFT = True
-# Where SHIFT starts the slices (cluster.window's `boundary`, bytes): session 25, 16 -> 128,
+# Where SHIFT starts the slices (cluster.window's `boundary`, bytes): 16 -> 128,
 # backward 0.85 -> 0.88 at V = 128257, 0.77 -> 0.79 at 50257; forward 0.946 -> 0.943 and
 # 0.80 -> 0.79 (two runs each, alternating).
 VOCAB_BOUNDARY_BYTES = {"forward": 16, "backward": 128}
@@ -530,7 +530,7 @@ def _weight_rows(weight, V, shift, per_class, placeholder):
     themselves, at weight + h + j, they are 2-byte loads). Row 0 is the weights: w[t] reads
     it. Else the weights themselves (stride 1), or the placeholder without weights (never
     read). The backward reads the weights themselves: its table (SHIFT 64) cost more than it
-    saved (docs/perf-notes.md, session 28)."""
+    saved."""
     if weight is None:
         return placeholder, 1
     if not (shift and per_class):

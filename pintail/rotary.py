@@ -108,7 +108,7 @@ def _rotary_kernel(q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr
 
 
 # ------------------------------------------------------------------ launch heuristics
-# Measured on the H200 (scripts/tune_rotary.py, docs/perf-notes.md): BLOCK_S tokens per
+# Measured on the H200: BLOCK_S tokens per
 # program, BLOCK_H heads per step, about TILE_FEATURES rotated features per head tile.
 TILE_FEATURES = 2048
 HEADS_PER_STEP = 2

@@ -166,7 +166,7 @@ def test_class_targets(dtype, V, options, device):
 @pytest.mark.parametrize("boundary", [16, 128])
 @pytest.mark.kernels_only
 def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary, monkeypatch, device):
-    """ODD_VOCAB_SHIFT (on since session 24; set here whatever the default): class-index rows of a
+    """ODD_VOCAB_SHIFT (on by default; set here whatever the default): class-index rows of a
     length no vector width divides go from their first 16-byte boundary, the classes outside
     their whole 16-byte pieces one at a time. The logits are a view x_pad classes wider a row
     than the gradient: the forward reads the logits alone (SHIFT taken); the backward's

@@ -772,7 +772,7 @@ def test_backward_plans_with_clusters():
         assert config(4096)["plan"] == "rows"
         assert config(4097)["plan"] == config(8192)["plan"] == ("rows" if rms else "cluster")
         assert config(12289)["plan"] == config(98305)["plan"] == config(131072)["plan"] == "cluster"
-        assert config(65537)["plan"] == config(98304)["plan"] == ("cluster" if rms else "long")  # session 44
+        assert config(65537)["plan"] == config(98304)["plan"] == ("cluster" if rms else "long")
         assert config(8193)["plan"] == config(10240)["plan"] == "rows"
         assert config(10241)["plan"] == ("rows" if rms else "cluster")
         assert config(6144, dh=True) == norm_module.backward_config(6144, rms, dh=True)
@@ -815,18 +815,18 @@ def test_forward_plans_with_clusters():
     assert config(131073, False) == norm_module.forward_config(131073, False) == norm_module.FORWARD_SPLIT["layer"]
     for N in (1000, 32768, 262145):
         assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
-    # with a residual (session 41): across clusters, any dtype; bf16 h held
+    # with a residual: across clusters, any dtype; bf16 h held
     assert config(32769, residual=True) == config(65536, residual=True) == {"plan": "cluster", "BLOCK": 8192,
                                                                               "num_warps": 4, "AHEAD": True}
     assert config(65537, residual=True) == config(262144, residual=True) == {"plan": "cluster", "BLOCK": 16384,
                                                                                "num_warps": 8, "AHEAD": True,
                                                                                "HELD": True}
-    # bf16 rows: x held in 16 bits and the next row loaded ahead where that won (session 40)
+    # bf16 rows: x held in 16 bits and the next row loaded ahead where that won
     bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
     assert bf16(32769) == bf16(65536) == config(65536)
     assert bf16(65537) == bf16(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "AHEAD": True}
-    slices_of_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "AHEAD": True}  # session 43
-    assert bf16(131073) == bf16(245760) == {**slices_of_32768, "HELD": True}  # session 45
+    slices_of_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "AHEAD": True}
+    assert bf16(131073) == bf16(245760) == {**slices_of_32768, "HELD": True}
     assert bf16(245761) == bf16(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128,
                                             "AHEAD": True, "HELD": True}
     assert bf16(32769, False) == bf16(49152, False) == {**config(32769, False), "AHEAD": True}

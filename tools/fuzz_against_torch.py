@@ -2,7 +2,7 @@
 interpreter on the CPU, or compiled on a GPU with --device cuda. Prints each failing case
 and exits non-zero if any failed.
 
-    python scripts/fuzz_against_torch.py [--ops cross_entropy,norm,softmax,rotary] [--cases 200] [--seed 0] [--device cpu]
+    python tools/fuzz_against_torch.py [--ops cross_entropy,norm,softmax,rotary] [--cases 200] [--seed 0] [--device cpu]
 """
 
 import argparse

@@ -3,7 +3,7 @@ print registers, spills and the global memory instructions: catches compile erro
 unvectorised loads before a GPU call. Integer arguments and pointers are taken as
 divisible by 16, as Triton specialises them at launch when they are.
 
-    python scripts/inspect_kernel.py
+    python tools/inspect_kernel.py
 """
 
 import argparse

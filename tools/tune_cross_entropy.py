@@ -3,15 +3,15 @@ class-index targets, reduction mean (the BENCHMARKS.md shapes); the forward kern
 loss) and the backward kernel (the gradient) launched directly, as fractions of the copy
 bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradient,
 2*M*V*elem). At V = 32768 the forward kernel alone measured ~0.85 (74 us in the profiler,
-session 3) against the 0.90 bar: one program a row, four chunks of 8192 in an online loop.
+) against the 0.90 bar: one program a row, four chunks of 8192 in an online loop.
 
-    python scripts/tune_cross_entropy.py [--sizes 32768,131072] [--default-only]
-    python scripts/tune_cross_entropy.py --sizes 32001,50257 --odd-vocab-shift   # the default config with
+    python tools/tune_cross_entropy.py [--sizes 32768,131072] [--default-only]
+    python tools/tune_cross_entropy.py --sizes 32001,50257 --odd-vocab-shift   # the default config with
         # ODD_VOCAB_SHIFT off and on, alternating, twice each (odd vocabularies from 16-byte boundaries)
-    python scripts/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
-        --blocks 8192,4096,2048 --warps 2,4,8   # session 25: does the backward's last chunk's fill cost?
-    python scripts/tune_cross_entropy.py --options weight,softcap ...   # or all: weights, smoothing, z-loss, softcap
-    python scripts/tune_cross_entropy.py --probs ...   # probability targets (bf16, rows summing to 1): the
+    python tools/tune_cross_entropy.py --directions bwd --sizes 50304,50257,128256,151936 \
+        --blocks 8192,4096,2048 --warps 2,4,8   # does the backward's last chunk's fill cost?
+    python tools/tune_cross_entropy.py --options weight,softcap ...   # or all: weights, smoothing, z-loss, softcap
+    python tools/tune_cross_entropy.py --probs ...   # probability targets (bf16, rows summing to 1): the
         # forward reads x and y (2 tensors), the backward x and y and writes the gradient (3)
 """
 

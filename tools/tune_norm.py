@@ -1,8 +1,8 @@
 """Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16 unless --dtype, M*N =
 2^27, with a weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
-Feeds the tables in pintail/norm.py and docs/perf-notes.md.
+Feeds the tables in pintail/norm.py and
 
-    python scripts/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
+    python tools/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
                                 [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
                                 [--configs JSON list of configs] [--no-stats]
 """
@@ -29,7 +29,7 @@ def configs(direction, N, rms):
                 continue
             for warps in (1, 2, 4, 8, 16, 32):
                 per_thread = tile // (32 * warps)
-                # up to 128 a thread for one row a tile that the row leaves part empty (session 30)
+                # up to 128 a thread for one row a tile that the row leaves part empty
                 if not 4 <= per_thread <= (128 if tile == block_n > N else 64):
                     continue
                 cfg = {"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps}
@@ -38,9 +38,9 @@ def configs(direction, N, rms):
                 elif tile <= 8192:
                     out += [{**cfg, "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2, 4)]
     head, tail = norm.rows_tail(N)
-    if direction == "fwd" and N <= 32768 and tail:  # the rows plan's row as two tiles (session 30)
+    if direction == "fwd" and N <= 32768 and tail:  # the rows plan's row as two tiles
         # one row a program up to 96 values a thread: 9216 at 4 warps (120 registers, 16-byte
-        # tail loads, 5 barriers on sm_90) against 8 warps' 8-byte tail and 9 barriers (session 32)
+        # tail loads, 5 barriers on sm_90) against 8 warps' 8-byte tail and 9 barriers
         for rows in (1, 2, 4):
             for warps in (1, 2, 4, 8, 16):
                 if 4 <= rows * (head + tail) // (32 * warps) <= (96 if rows == 1 else 64):
@@ -52,7 +52,7 @@ def configs(direction, N, rms):
             if 2 <= (head + tail) // (32 * warps) <= 64:
                 out += [{"plan": "rows", "BLOCK_M": 1, "BLOCK_N": head, "TAIL": t, "num_warps": warps,
                          "PROGRAMS_PER_SM": per_sm} for per_sm in (1, 2)
-                        # the tail as cut, or widened to 8 or 16 bytes a thread (session 35)
+                        # the tail as cut, or widened to 8 or 16 bytes a thread
                         for t in sorted({tail, launch.widened_tail(tail, warps, 4), launch.widened_tail(tail, warps)})
                         if t < head]
     if direction == "fwd" and N <= 32768:  # the long plan with one chunk: pass 2 re-reads the row from L1 / L2
@@ -62,7 +62,7 @@ def configs(direction, N, rms):
                 out.append({"plan": "long", "BLOCK": block_n, "num_warps": warps})
     if N < 16384 and N < block_n * 0.99:
         # rows that fill their power-of-two tile less than 0.99 (hidden sizes 1536, 2560,
-        # 3072, 5120, 6144, 12288): the long plan in chunks that fill the row (session 25's
+        # 3072, 5120, 6144, 12288): the long plan in chunks that fill the row (
         # lead from cross-entropy's backward, where a partly empty chunk cost a whole program)
         for block in (512, 1024, 2048, 4096):
             if N >= -(-N // block) * block * 0.99 and N > block:
@@ -80,16 +80,16 @@ def configs(direction, N, rms):
                     out += [{"plan": "long", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                             for per_sm in (2, 4)]
     if direction == "bwd" and rms and N >= 16384:
-        # registers (scripts/inspect_kernel.py): 128 at 2048 / 4 warps (166 with the residual's
+        # registers: 128 at 2048 / 4 warps (166 with the residual's
         # gradient and a bias: 3 per SM), ~64-80 at 1024 / 4 warps; 80 at 2048 / 8 (3 an SM: 24
-        # warps against 16) and 64 at 2048 / 16 (2 an SM: 32 warps), session 13
+        # warps against 16) and 64 at 2048 / 16 (2 an SM: 32 warps)
         out += [{"plan": "blocks", "ROWS": rows, "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm}
                 for block, warps, per_sm in ((2048, 4, 4), (2048, 4, 3), (1024, 4, 6), (4096, 8, 2), (8192, 16, 1),
                                              (2048, 8, 3), (2048, 16, 2))
                 for rows in (16, 32)]
     if direction == "bwd" and N > 1024:
         # across a thread-block cluster (2-16 CTAs a row), with and without the next row ahead
-        # (the library's past 8192; 1025-8192 for the hidden sizes' backward, sessions 31-32:
+        # (the library's past 8192; 1025-8192 for the hidden sizes' backward:
         # 512 / 2 warps, 8 values a thread as at 1024 / 4, for 1536 / 2560 = 3 / 5 slices)
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": ahead}
                 for block, warps in ((512, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 16), (16384, 16), (16384, 32))
@@ -101,11 +101,11 @@ def configs(direction, N, rms):
                 if 2 <= -(-N // block) <= 16]
         # capped at the registers that fit one more CTA an SM (LayerNorm's take 159 at 8192 / 4
         # warps: 3 an SM; 128 fits 4, no stack, sm_90 on the CPU); clusters of 10-14 CTAs at
-        # one CTA an SM fit one a GPC (session 41, scripts/cluster_fits.py)
+        # one CTA an SM fit one a GPC
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "maxnreg": cap}
                 for block, warps, cap in ((8192, 4, 128), (16384, 8, 128), (8192, 8, 64), (4096, 4, 64))
                 if 2 <= -(-N // block) <= 16]
-    if direction == "fwd" and N > 32768:  # the next row's x loaded ahead, x held in 16 bits (session 40)
+    if direction == "fwd" and N > 32768:  # the next row's x loaded ahead, x held in 16 bits
         out += [{"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True, "HELD": True, **cap}
                 for block, warps, cap in ((4096, 4, {}), (8192, 4, {"maxnreg": 128}), (8192, 4, {}),
                                           (16384, 8, {"maxnreg": 128}), (16384, 8, {}), (32768, 16, {}))
@@ -122,7 +122,7 @@ def configs(direction, N, rms):
 
 def forward_plan(N, rms, residual, bf16):
     """The forward's plan on a GPU with clusters, from whichever arguments the library takes
-    (an A/B's other side may be older: `bf16` since session 40, `clusters` since session 19)."""
+    (an A/B's other side may be older: `bf16` and `clusters` came late)."""
     for kwargs in ({"clusters": True, "bf16": bf16}, {"clusters": True}, {}):
         try:
             return norm.forward_config(N, rms, residual, packable=not residual, **kwargs)

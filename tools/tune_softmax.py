@@ -1,8 +1,8 @@
 """Sweep the softmax launch configurations on a GPU (bf16, M*N = 2^27) and print, per
 direction and N, each configuration's fraction of the copy bandwidth. Feeds the tables in
-pintail/softmax.py and docs/perf-notes.md.
+pintail/softmax.py and
 
-    python scripts/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--default-only]
+    python tools/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--default-only]
 """
 
 import argparse
@@ -30,7 +30,7 @@ def configs(N, direction):
                     out.append({"plan": "rows", "BLOCK_M": tile // block_n, "BLOCK_N": block_n, "num_warps": warps})
     head, tail = launch.rows_tail(N)
     if direction == "fwd" and tail and N > 2048:
-        # the row as two tiles (10240 = 8192 + 2048: the rows kernel's TAIL, session 32),
+        # the row as two tiles (10240 = 8192 + 2048: the rows kernel's TAIL),
         # one row a program, on N lanes rather than a tile of next_power_of_2(N)
         # at 2-16 warps; where the tail holds under 16 bytes a thread (8704 = 8192 + 512 at 4
         # warps: 8-byte loads, 27 barriers on sm_90) also as a tail of 16 bytes a thread, masked
@@ -41,7 +41,7 @@ def configs(N, direction):
     if N < 16384 and N < block_n * 0.99 and direction == "fwd":
         # rows that fill their power-of-two tile less than 0.99 (2560, 3072, 5120, 6144, 12288):
         # the two-pass forward in chunks that fill the row (the second pass reads it from L2;
-        # session 25's lead from cross-entropy's backward, where a partly empty chunk cost a program)
+        # a lead from cross-entropy's backward, where a partly empty chunk cost a program)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps}
                 for block in (512, 1024, 2048, 4096) if N > block and N >= -(-N // block) * block * 0.99
                 for warps in (2, 4, 8, 16) if 4 <= block // (32 * warps) <= 32]
@@ -54,7 +54,7 @@ def configs(N, direction):
                 out.append({"plan": "own_row", "BLOCK": block, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
     if 16384 <= N <= 65536 and direction == "fwd":
         # 32 warps at 8192 / 16384 and 16 at 4096: 24-32 registers (sm_90), so 2-4 programs of
-        # 16-32 warps an SM (session 13's RMSNorm gain came from such a step)
+        # 16-32 warps an SM (RMSNorm gained from such a step)
         out += [{"plan": "two_pass", "BLOCK": block, "num_warps": warps} for block, warps in
                 ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (8192, 32), (16384, 32), (4096, 16), (4096, 32))]
     if N >= 8192:
@@ -73,7 +73,7 @@ def configs(N, direction):
                                           (16384, 8, None))
                 if 2 <= -(-N // block) <= 16]
     if N >= 16384:
-        # (BLOCK, warps, programs per SM): per-SM counts the registers allow (scripts/inspect_kernel.py)
+        # (BLOCK, warps, programs per SM): per-SM counts the registers allow
         for block, warps, per_sm in ((8192, 4, 4), (4096, 4, 4), (4096, 4, 6), (8192, 8, 2)):
             for rounds in (0.5, 1, 2):
                 out.append({"plan": "split", "BLOCK": block, "num_warps": warps, "LAG_ROUNDS": rounds,
