@@ -329,7 +329,7 @@ def _relative_error(a, b):
 def check_in_interpreter(args):
     """Every op's kernels, forward and backward, in the Triton interpreter at small sizes."""
     import pintail.reference
-    from ._launch import INTERPRET
+    from ._core.launch import INTERPRET
     assert INTERPRET, "the check must run the kernels in the interpreter"
 
     def refuse(*a, **k):

@@ -23,7 +23,7 @@ def softmax_backward(y, dy, dim, log, in_dtype):
 
 def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
     """Per-row (loss, (max, log-sum) pairs, target mass) of logits x[M, V], as pintail's
-    cross-entropy kernels produce them (see pintail/cross_entropy.py for the formulas)."""
+    cross-entropy kernels produce them (see pintail/cross_entropy/__init__.py for the formulas)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
     if softcap > 0:
@@ -58,7 +58,7 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
 def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_scale, softcap,
                                 prob_target):
     """dloss/dx of cross_entropy_rows, given the gradient of each row's loss, by the formulas
-    of pintail/cross_entropy.py (plain tensor math: a custom op may not run autograd inside)."""
+    of pintail/cross_entropy/__init__.py (plain tensor math: a custom op may not run autograd inside)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     M, V = x.shape
     if V == 0:
@@ -94,7 +94,7 @@ def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, sm
 
 
 def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved, backward):
-    """The rotation of pintail/rotary.py in torch: x * cos + turn(x) * sin on the first
+    """The rotation of pintail/rotary/kernels.py in torch: x * cos + turn(x) * sin on the first
     rotary_dim features; backward: the transpose, y * cos - turn(y * sin)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xs = x.movedim(seq_dim, 1)  # (B, S, H, D)
@@ -121,7 +121,7 @@ def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved,
 
 
 def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
-    """(y, h, mean, rstd) of pintail/norm.py in torch, for rows x[M, N]."""
+    """(y, h, mean, rstd) of pintail/norm/plans.py in torch, for rows x[M, N]."""
     h = x + residual if residual is not None else x.new_empty(0, x.shape[1], dtype=out_dtype)  # fresh, not a view
     held = h if residual is not None else x
     v = held.to(torch.promote_types(held.dtype, torch.float32))

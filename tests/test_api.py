@@ -10,14 +10,15 @@ import pintail
 import pintail.reference
 from helpers import assert_matches
 
-softmax_module = importlib.import_module("pintail.softmax")
+softmax_kernels = importlib.import_module("pintail.softmax.kernels")
+softmax_plans = importlib.import_module("pintail.softmax.plans")
 
 
 @pytest.mark.kernels_only
 def test_kernels_are_what_runs(device):
     """On CPU the kernels are the interpreter's; on CUDA, compiled ones. Either way the torch
     reference is out of reach during the tests (conftest), so every passing op ran a kernel."""
-    kernel = softmax_module._forward_rows_kernel
+    kernel = softmax_kernels._forward_rows_kernel
     if device.type == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
         assert isinstance(kernel, InterpretedFunction)
@@ -68,7 +69,7 @@ def test_cuda_graph_capture(device):
         pytest.skip("CUDA graphs need a GPU")
     # every plan: rows; the split forward with the rows backward; the split forward with the
     # own-row backward (past the backward's rows plan)
-    for N in (1000, 3 * softmax_module.FORWARD_SPLIT["BLOCK"] + 5, softmax_module.BACKWARD_ROWS[-1][0] + 7232):
+    for N in (1000, 3 * softmax_plans.FORWARD_SPLIT["BLOCK"] + 5, softmax_plans.BACKWARD_ROWS[-1][0] + 7232):
         x = torch.randn(8, N, device=device, requires_grad=True)
         dy = torch.randn(8, N, device=device)
         stream = torch.cuda.Stream()

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 import pintail
 from helpers import DTYPES, assert_matches, boundary_shifts, line_aligned_rows
 
-ce_module = importlib.import_module("pintail.cross_entropy")
-MULTI_CHUNK = ce_module.FORWARD_BLOCKS[0] + 1000  # more than one chunk per row in both kernels
+cross_entropy_api = importlib.import_module("pintail.cross_entropy.api")
+cross_entropy_plans = importlib.import_module("pintail.cross_entropy.plans")
+MULTI_CHUNK = cross_entropy_plans.FORWARD_BLOCKS[0] + 1000  # more than one chunk per row in both kernels
 
 
 def torch_cross_entropy(x, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -134,14 +135,14 @@ def record_launches(monkeypatch, kernels, record):
     """The list of record(grid, launch options) of each launch of the kernels named, which
     still run."""
     recorded = []
-    real_launch = ce_module.launch
+    real_launch = cross_entropy_api.launch
 
     def recording_launch(kernel, grid, *args, **kwargs):
         if kernel.__name__ in kernels:
             recorded.append(record(grid, kwargs))
         real_launch(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(ce_module, "launch", recording_launch)
+    monkeypatch.setattr(cross_entropy_api, "launch", recording_launch)
     return recorded
 
 
@@ -173,8 +174,8 @@ def test_vocabularies_from_16_byte_boundaries(dtype, V, x_pad, options, boundary
     strides agree modulo 16 bytes with x_pad 16 (SHIFT taken), not with 1 (SHIFT 0). Targets
     and the largest logits sit in the ends. Boundaries of 16 and 128 bytes in both directions
     (VOCAB_BOUNDARY_BYTES)."""
-    monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
-    monkeypatch.setattr(ce_module, "VOCAB_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
+    monkeypatch.setattr(cross_entropy_plans, "ODD_VOCAB_SHIFT", True)
+    monkeypatch.setattr(cross_entropy_plans, "VOCAB_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
     M = 6
     wide = torch.randn(M, V + x_pad, device=device) * 3
     wide[4, 0] = wide[5, V - 1] = 30.0
@@ -202,7 +203,7 @@ def test_probability_targets_from_16_byte_boundaries(dtype, V, target_dtype, opt
     row than the targets and the gradient) and the targets go from the same boundary in both
     directions (SHIFT), also where the targets' dtype is wider than the logits'; the largest
     logits and target mass sit in the ends."""
-    monkeypatch.setattr(ce_module, "ODD_VOCAB_SHIFT", True)
+    monkeypatch.setattr(cross_entropy_plans, "ODD_VOCAB_SHIFT", True)
     M = 5
     wide = torch.randn(M, V + 16, device=device) * 3
     wide[3, 0] = wide[4, V - 1] = 30.0
@@ -221,8 +222,8 @@ def test_probability_targets_off_the_logits_boundaries():
     disagree modulo 16 bytes) keep the plain rows (SHIFT 0)."""
     x = torch.randn(4, 1001 + 16, dtype=torch.bfloat16)[:, :1001]
     target = torch.randn(4, 1001 + 1, dtype=torch.bfloat16)[:, :1001]
-    assert ce_module._vectors(1001, "forward", (x, target)) == (1, 0)
-    assert ce_module._vectors(1001, "forward", (x, target.contiguous()))[1] == 8
+    assert cross_entropy_plans._vectors(1001, "forward", (x, target)) == (1, 0)
+    assert cross_entropy_plans._vectors(1001, "forward", (x, target.contiguous()))[1] == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -232,15 +233,15 @@ def test_weight_rows_for_rows_from_boundaries(dtype):
     stride); without SHIFT, or where only w[t] is read, the weights themselves."""
     V, shift = 1001, 8
     weight = torch.rand(V, dtype=dtype) + 0.5
-    table, stride = ce_module._weight_rows(weight, V, shift, True, None)
+    table, stride = cross_entropy_api._weight_rows(weight, V, shift, True, None)
     assert stride % 16 == 0 and stride >= V and table.shape == (shift, stride)
     assert table.data_ptr() % 16 == 0
     for h in range(shift):
         assert torch.equal(table[h, : V - h], weight[h:]) and not table[h, V - h:].any()
-    assert ce_module._weight_rows(weight, V, 0, True, None) == (weight, 1)
-    assert ce_module._weight_rows(weight, V, shift, False, None) == (weight, 1)
+    assert cross_entropy_api._weight_rows(weight, V, 0, True, None) == (weight, 1)
+    assert cross_entropy_api._weight_rows(weight, V, shift, False, None) == (weight, 1)
     placeholder = torch.empty(1)
-    assert ce_module._weight_rows(None, V, shift, True, placeholder) == (placeholder, 1)
+    assert cross_entropy_api._weight_rows(None, V, shift, True, placeholder) == (placeholder, 1)
 
 
 @pytest.mark.parametrize("V", [1001, 4099])
@@ -251,14 +252,14 @@ def test_weight_total_from_the_forward(V, device):
     x = torch.randn(5, V, device=device, dtype=torch.bfloat16)
     target = torch.randint(0, V, (5,), device=device)
     weight = torch.rand(V, device=device, dtype=torch.bfloat16) + 0.5
-    assert ce_module._vectors(V, "forward", (x,))[1] == 8  # rows from their boundaries, ends apart
-    mass = ce_module._launch_forward(x, target, weight, -100, 0.1, 0.0, 0.0, False, "none")[2]
+    assert cross_entropy_plans._vectors(V, "forward", (x,))[1] == 8  # rows from their boundaries, ends apart
+    mass = cross_entropy_api._launch_forward(x, target, weight, -100, 0.1, 0.0, 0.0, False, "none")[2]
     assert torch.allclose(mass, weight.float().sum().expand(5), rtol=1e-5)
-    no_smoothing = ce_module._launch_forward(x, target, weight, -100, 0.0, 0.0, 0.0, False, "none")[2]
+    no_smoothing = cross_entropy_api._launch_forward(x, target, weight, -100, 0.0, 0.0, 0.0, False, "none")[2]
     assert no_smoothing.numel() == 0
 
 
-@pytest.mark.parametrize("V, even", [(2 * ce_module.FORWARD_BLOCKS[0], True), (ce_module.FORWARD_BLOCKS[0] + 16, False)])
+@pytest.mark.parametrize("V, even", [(2 * cross_entropy_plans.FORWARD_BLOCKS[0], True), (cross_entropy_plans.FORWARD_BLOCKS[0] + 16, False)])
 @pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "weight": "w"}, {"softcap": 20.0}, {"prob": True}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.kernels_only
@@ -279,7 +280,7 @@ def test_backward_chunks_fill_the_row():
     """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
     sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
     program past the sliced part (chunk 0 takes the classes outside it)."""
-    chunks = ce_module._backward_chunks
+    chunks = cross_entropy_plans._backward_chunks
     assert chunks(131072, 0) == (8192, 16) and chunks(32768, 0) == (8192, 4)
     assert chunks(50304, 0) == (2048, 25)        # 8192 would fill 0.88, 4096 0.95
     assert chunks(256001, 64) == (4096, 63)      # 256000 sliced: 4096 fills 0.992
@@ -307,9 +308,9 @@ def test_odd_vocabularies_backward_from_whole_lines():
     """The library's boundaries: the forward starts odd rows' slices on 16-byte boundaries,
     the backward on 128-byte ones (whole L2 lines) where the logits and gradient allow."""
     x, dx = line_aligned_rows(1001, 1001 + 64), line_aligned_rows(1001, 1001 + 64)
-    assert ce_module._vectors(1001, "forward", (x,)) == (1, 8)
-    assert ce_module._vectors(1001, "backward", (x, dx)) == (1, 64)
-    assert ce_module._vectors(1001, "backward", (x, dx[:, 1:])) == (1, 0)
+    assert cross_entropy_plans._vectors(1001, "forward", (x,)) == (1, 8)
+    assert cross_entropy_plans._vectors(1001, "backward", (x, dx)) == (1, 64)
+    assert cross_entropy_plans._vectors(1001, "backward", (x, dx[:, 1:])) == (1, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -461,7 +462,7 @@ def test_reduced_loss_is_deterministic(reduction, monkeypatch, device):
     """sum / mean are reduced by one program in a fixed order (here in several steps of its
     block of rows): the same bits on every run, and the gradient un-reduced by the same
     denominator as torch's."""
-    monkeypatch.setattr(ce_module, "REDUCE_BLOCK", 256)
+    monkeypatch.setattr(cross_entropy_plans, "REDUCE_BLOCK", 256)
     M, V = 700, 96
     x = torch.randn(M, V, device=device, requires_grad=True)
     target = torch.randint(0, V, (M,), device=device)
@@ -602,8 +603,8 @@ def test_targets_and_weights_of_any_strides(layout, device):
 def test_long_rows_need_no_copy(device, monkeypatch):
     """Logits that are a slice of a wider buffer reach the kernels as they are."""
     seen = []
-    original = ce_module._launch_forward
-    monkeypatch.setattr(ce_module, "_launch_forward", lambda x, *a: (seen.append(x), original(x, *a))[1])
+    original = cross_entropy_api._launch_forward
+    monkeypatch.setattr(cross_entropy_api, "_launch_forward", lambda x, *a: (seen.append(x), original(x, *a))[1])
     base = torch.randn(8, 400, device=device)
     x = base[:, :300]
     pintail.cross_entropy(x, class_targets(8, 300, device))
@@ -637,8 +638,8 @@ def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, devic
     """The eager check: a kernel counts out-of-range targets, and only then is the target
     read on the host to name it (a good target costs no host-side scan)."""
     scans = []
-    original = ce_module._check_target_values
-    monkeypatch.setattr(ce_module, "_check_target_values", lambda *a: (scans.append(1), original(*a)))
+    original = cross_entropy_api._check_target_values
+    monkeypatch.setattr(cross_entropy_api, "_check_target_values", lambda *a: (scans.append(1), original(*a)))
     x = torch.randn(5, 40, device=device, requires_grad=True)
     good = torch.tensor([1, -100, 39, 0, 7], device=device, dtype=torch.int32)
     pintail.cross_entropy(x, good, reduction=reduction, weight=torch.rand(40, device=device))
@@ -654,14 +655,14 @@ def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, devic
 @pytest.mark.kernels_only
 def test_check_kernel_counts_bad_targets_past_its_block(device):
     """The check kernel loops over blocks of targets: bad ones in the second and third count."""
-    target = torch.randint(0, 50, (2 * ce_module.TARGET_CHECK_BLOCK + 5,), device=device)
+    target = torch.randint(0, 50, (2 * cross_entropy_plans.TARGET_CHECK_BLOCK + 5,), device=device)
     target[::7] = -100
-    assert ce_module._TargetCheck(target, 50, -100).bad_targets() == 0
-    target[ce_module.TARGET_CHECK_BLOCK + 3] = 50
+    assert cross_entropy_api._TargetCheck(target, 50, -100).bad_targets() == 0
+    target[cross_entropy_plans.TARGET_CHECK_BLOCK + 3] = 50
     target[-1] = -1
-    assert ce_module._TargetCheck(target, 50, -100).bad_targets() == 2
-    check = ce_module._TargetCheck(target.int(), 50, -100)
-    with pytest.raises(IndexError, match=rf"target\[{ce_module.TARGET_CHECK_BLOCK + 3}\] = 50 is out of bounds"):
+    assert cross_entropy_api._TargetCheck(target, 50, -100).bad_targets() == 2
+    check = cross_entropy_api._TargetCheck(target.int(), 50, -100)
+    with pytest.raises(IndexError, match=rf"target\[{cross_entropy_plans.TARGET_CHECK_BLOCK + 3}\] = 50 is out of bounds"):
         check.finish()
 
 

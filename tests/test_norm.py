@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import pintail
 from helpers import DTYPES, assert_matches
 
-norm_module = importlib.import_module("pintail.norm")
+norm_api = importlib.import_module("pintail.norm.api")
+norm_plans = importlib.import_module("pintail.norm.plans")
 LONG_BLOCK = 1024  # the long and split plans' chunk in these tests: rows of 4097 span five chunks
 
 
@@ -23,26 +24,26 @@ def plan(request, monkeypatch):
     forward to the split plan and RMSNorm's backward to the blocks plan (blocks of 3 rows; on
     a GPU, slices of LONG_BLOCK; the interpreter cuts no row into slices)."""
     if request.param != "rows":
-        monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
-                                                           for kind in norm_module.FORWARD_PLANS})
-        monkeypatch.setattr(norm_module, "ROWS_TAIL", {})
-        monkeypatch.setattr(norm_module, "LAYER_ONE_CHUNK", {})
-        monkeypatch.setattr(norm_module, "BACKWARD_ROWS", {"rms": [], "layer": []})
-        monkeypatch.setattr(norm_module, "BACKWARD_TAIL", {kind: (values, []) for kind, (values, _)
-                                                          in norm_module.BACKWARD_TAIL.items()})
-        monkeypatch.setattr(norm_module, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
-        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER", {})
-        monkeypatch.setattr(norm_module, "FORWARD_CLUSTER_BF16", {})
-        monkeypatch.setattr(norm_module, "BACKWARD_LONG", {**norm_module.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
-        monkeypatch.setattr(norm_module, "FORWARD_SPLIT",
-                            {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_module.FORWARD_SPLIT.items()})
+        monkeypatch.setattr(norm_plans, "FORWARD_PLANS", {kind: [(32768, "long", LONG_BLOCK, 4)]
+                                                           for kind in norm_plans.FORWARD_PLANS})
+        monkeypatch.setattr(norm_plans, "ROWS_TAIL", {})
+        monkeypatch.setattr(norm_plans, "LAYER_ONE_CHUNK", {})
+        monkeypatch.setattr(norm_plans, "BACKWARD_ROWS", {"rms": [], "layer": []})
+        monkeypatch.setattr(norm_plans, "BACKWARD_TAIL", {kind: (values, []) for kind, (values, _)
+                                                          in norm_plans.BACKWARD_TAIL.items()})
+        monkeypatch.setattr(norm_plans, "BACKWARD_CLUSTER", {"rms": (0, []), "layer": (0, [])})
+        monkeypatch.setattr(norm_plans, "FORWARD_CLUSTER", {})
+        monkeypatch.setattr(norm_plans, "FORWARD_CLUSTER_BF16", {})
+        monkeypatch.setattr(norm_plans, "BACKWARD_LONG", {**norm_plans.BACKWARD_LONG, "BLOCK": LONG_BLOCK})
+        monkeypatch.setattr(norm_plans, "FORWARD_SPLIT",
+                            {kind: {**cfg, "BLOCK": LONG_BLOCK} for kind, cfg in norm_plans.FORWARD_SPLIT.items()})
     if request.param == "long":
-        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {})
+        monkeypatch.setattr(norm_plans, "BACKWARD_BLOCKS", {})
     if request.param == "split":
-        monkeypatch.setattr(norm_module, "FORWARD_PLANS", {kind: [] for kind in norm_module.FORWARD_PLANS})
-        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS", {"rms": {**norm_module.BACKWARD_BLOCKS["rms"], "ROWS": 3,
+        monkeypatch.setattr(norm_plans, "FORWARD_PLANS", {kind: [] for kind in norm_plans.FORWARD_PLANS})
+        monkeypatch.setattr(norm_plans, "BACKWARD_BLOCKS", {"rms": {**norm_plans.BACKWARD_BLOCKS["rms"], "ROWS": 3,
                                                                      "BLOCK": LONG_BLOCK}})
-        monkeypatch.setattr(norm_module, "BACKWARD_BLOCKS_WITH_DH", [(math.inf, LONG_BLOCK, 4, 4)])
+        monkeypatch.setattr(norm_plans, "BACKWARD_BLOCKS_WITH_DH", [(math.inf, LONG_BLOCK, 4, 4)])
     return request.param
 
 
@@ -60,10 +61,10 @@ def test_plan_fixture_routes_every_test_size(kind, plan):
     sizes, flags = (1, 2, 7, 33, 100, 1000, 3000, 4096, 4097), (False, True)
     with_residual = flags if rms else (False,)
     for N, clusters, bf16, narrow, residual in itertools.product(sizes, flags, flags, flags, with_residual):
-        cfg = norm_module.forward_config(N, rms, residual, narrow, narrow, clusters, bf16)  # packable as narrow
+        cfg = norm_plans.forward_config(N, rms, residual, narrow, narrow, clusters, bf16)  # packable as narrow
         assert cfg["plan"] == forward, (N, clusters, bf16, narrow, residual, cfg)
     for N, clusters, dh in itertools.product(sizes, flags, with_residual):
-        cfg = norm_module.backward_config(N, rms, dh, clusters)
+        cfg = norm_plans.backward_config(N, rms, dh, clusters)
         assert cfg["plan"] == backward, (N, clusters, dh, cfg)
 
 
@@ -211,7 +212,7 @@ def test_rms_forward_register_cap_only_for_narrow_rows(dtype, N, bias, capped, m
 def layer_packed(monkeypatch):
     """LayerNorm's packed plan (16-bit rows of 28672-32768 by default) for every row it
     takes at test sizes, at 4 warps; returns the names of the kernels launched from then on."""
-    monkeypatch.setattr(norm_module, "LAYER_PACKED",
+    monkeypatch.setattr(norm_plans, "LAYER_PACKED",
                         (1, 32768, {"plan": "packed", "BLOCK": 32768, "num_warps": 4, "PARTS": 4}))
     return launched_kernels(monkeypatch)
 
@@ -324,8 +325,8 @@ def _record_launches(monkeypatch, entry):
     def recording_launch(kernel, grid, *args, **kwargs):
         entries.append(entry(kernel.fn.__name__, kwargs))
         launch(kernel, grid, *args, **kwargs)
-    launch = norm_module.launch
-    monkeypatch.setattr(norm_module, "launch", recording_launch)
+    launch = norm_api.launch
+    monkeypatch.setattr(norm_api, "launch", recording_launch)
     return entries
 
 
@@ -352,9 +353,9 @@ def test_rms_backward_blocks_plan(M, N, rows, block, extras, monkeypatch, device
     offset = 1.0 if "offset" in extras else 0.0
     dy = torch.randn(M, N, device=device)
     dh = torch.randn(M, N, device=device) if "dh" in extras else None
-    _, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, offset, True, torch.float32)
+    _, _, mean, rstd = norm_api._forward(x, None, w, b, 1e-5, offset, True, torch.float32)
     kernels = launched_kernels(monkeypatch)
-    grads = norm_module._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
+    grads = norm_api._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
                                   blocks_config(rows, block))
     assert kernels[0] == "_backward_blocks_kernel"
     leaves = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
@@ -368,7 +369,7 @@ def test_rms_backward_blocks_plan(M, N, rows, block, extras, monkeypatch, device
                              [dy.double()] + ([dh.double()] if dh is not None else []))
     for g, g64, name in zip(got, want, ("x", "weight" if w is not None else "bias", "bias")):
         assert_matches(g, g64, g64.float(), scale=scales[name])
-    again = norm_module._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
+    again = norm_api._backward(dy, dh, x, w, b is not None, mean, rstd, offset, True, torch.float32,
                                   blocks_config(rows, block))
     for g, g2 in zip(grads, again):  # dweight / dbias: the same bits whichever program takes which block
         assert g is None or torch.equal(g, g2)
@@ -383,15 +384,15 @@ def test_rms_backward_blocks_plan_falls_back_when_slices_cannot_all_run(monkeypa
     N = 64 * (torch.cuda.get_device_properties(device).multi_processor_count + 5) if device.type == "cuda" else 300
     x, w, dy = (torch.randn(6, N, device=device), torch.randn(N, device=device),
                 torch.randn(6, N, device=device))
-    _, _, mean, rstd = norm_module._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
+    _, _, mean, rstd = norm_api._forward(x, None, w, None, 1e-5, 0.0, True, torch.float32)
     if device.type != "cuda":
-        monkeypatch.setattr(norm_module, "program_slots", lambda device, per_sm: 0)
+        monkeypatch.setattr(norm_api, "program_slots", lambda device, per_sm: 0)
     kernels = launched_kernels(monkeypatch)
-    dx, dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
+    dx, dw, _ = norm_api._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
                                       blocks_config(4, 64))
     assert "_backward_blocks_kernel" not in kernels and "_backward_chunks_kernel" in kernels
-    want_dx, want_dw, _ = norm_module._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
-                                                norm_module.BACKWARD_LONG)
+    want_dx, want_dw, _ = norm_api._backward(dy, None, x, w, False, mean, rstd, 0.0, True, torch.float32,
+                                                norm_plans.BACKWARD_LONG)
     torch.testing.assert_close(dx, want_dx)
     torch.testing.assert_close(dw, want_dw)
 
@@ -413,11 +414,11 @@ def test_many_chunks_per_row(kind, device):
     M, N = 13, 300
     x, w, b = torch.randn(M, N, device=device), torch.randn(N, device=device), torch.randn(N, device=device)
     rms = kind == "rms"
-    y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, rms, torch.float32,
+    y, _, mean, rstd = norm_api._forward(x, None, w, b, 1e-5, 0.0, rms, torch.float32,
                                             {"plan": "long", "BLOCK": 64, "num_warps": 4})
     dy = torch.randn(M, N, device=device)
-    grads = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, rms, torch.float32,
-                                  {**norm_module.BACKWARD_LONG, "BLOCK": 64})
+    grads = norm_api._backward(dy, None, x, w, True, mean, rstd, 0.0, rms, torch.float32,
+                                  {**norm_plans.BACKWARD_LONG, "BLOCK": 64})
     leaves = [t.double().requires_grad_() for t in (x, w, b)]
     y64, _ = torch_norm(kind, leaves[0], (N,), leaves[1], leaves[2], eps=1e-5)
     assert_matches(y, y64, y64.float())
@@ -573,7 +574,7 @@ def test_rms_forward_one_chunk_by_its_fill():
     warps scaled to that chunk and halved where the row fills at most 3/4 of it; a table
     whose chunk is shorter than the row (the tests' long plan) keeps its chunk."""
     def plan(N):
-        cfg = norm_module.forward_config(N, True)
+        cfg = norm_plans.forward_config(N, True)
         return cfg["plan"], cfg["BLOCK"], cfg["num_warps"]
     assert plan(1000) == ("long", 1024, 2)
     assert plan(1536) == ("long", 2048, 2) and plan(2048) == ("long", 2048, 4)
@@ -581,8 +582,8 @@ def test_rms_forward_one_chunk_by_its_fill():
     assert plan(4096) == ("long", 4096, 8)
     assert plan(5120) == ("long", 8192, 8) and plan(6144) == ("long", 8192, 8) and plan(7168) == ("long", 8192, 16)
     assert plan(8192) == ("long", 8192, 16) and plan(10241) == ("long", 16384, 8)
-    assert norm_module.forward_config(2560, False)["plan"] == "rows"
-    assert norm_module.forward_config(2560, True, residual=True)["plan"] == "rows"
+    assert norm_plans.forward_config(2560, False)["plan"] == "rows"
+    assert norm_plans.forward_config(2560, True, residual=True)["plan"] == "rows"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -593,7 +594,7 @@ def test_rms_forward_one_chunk_part_filled(dtype, N, monkeypatch, device):
     launches = recorded_launches(monkeypatch)
     x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
     check("rms", x, (N,), torch.randn(N, device=device).to(dtype))
-    cfg = norm_module.forward_config(N, True)
+    cfg = norm_plans.forward_config(N, True)
     assert [(kwargs["BLOCK"], kwargs["num_warps"], kwargs["ONE_CHUNK"]) for name, kwargs in launches
             if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
 
@@ -607,7 +608,7 @@ def test_layer_forward_one_chunk(dtype, N, monkeypatch, device):
     launches = recorded_launches(monkeypatch)
     x = torch.randn(4, N, device=device).to(dtype) * 2 + 0.5
     check("layer", x, (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype))
-    cfg = norm_module.forward_config(N, False)
+    cfg = norm_plans.forward_config(N, False)
     assert [(kwargs["BLOCK"], kwargs["num_warps"], kwargs["ONE_CHUNK"]) for name, kwargs in launches
             if name == "_forward_long_kernel"] == [(cfg["BLOCK"], cfg["num_warps"], True)]
 
@@ -620,7 +621,7 @@ def tiles_launched(launches, kernel):
 def two_tiles(N, warps=0, values=8):
     """(BLOCK_N, TAIL, EVEN) for a row of N as rows_tail cuts it, the tail at least `values` a
     thread of `warps` (8: 16 bytes of 16-bit values, the forward's)."""
-    head, tail = norm_module.rows_tail(N)
+    head, tail = norm_plans.rows_tail(N)
     tail = max(tail, values * 32 * warps)
     return head, tail, N == head + tail
 
@@ -628,10 +629,10 @@ def two_tiles(N, warps=0, values=8):
 def test_layer_forward_rows_as_two_tiles_plan():
     """LayerNorm's forward of 1025-16384: one row a program as two tiles where rows_tail cuts
     the row so (next_power_of_2(N) / 2 columns and a power of two more), else the table's tile."""
-    assert norm_module.rows_tail(5120) == (4096, 1024) and norm_module.rows_tail(6000) == (4096, 2048)
-    assert norm_module.rows_tail(4097) == (4096, 1) and norm_module.rows_tail(7168) == (8192, 0)
-    assert norm_module.rows_tail(1) == (1, 0) and norm_module.rows_tail(3) == (2, 1)
-    tail = lambda N: norm_module.forward_config(N, False)
+    assert norm_plans.rows_tail(5120) == (4096, 1024) and norm_plans.rows_tail(6000) == (4096, 2048)
+    assert norm_plans.rows_tail(4097) == (4096, 1) and norm_plans.rows_tail(7168) == (8192, 0)
+    assert norm_plans.rows_tail(1) == (1, 0) and norm_plans.rows_tail(3) == (2, 1)
+    tail = lambda N: norm_plans.forward_config(N, False)
     assert tail(1536) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 1024, "TAIL": 512, "num_warps": 2}
     assert tail(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4}
     assert tail(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8}
@@ -641,12 +642,12 @@ def test_layer_forward_rows_as_two_tiles_plan():
     for N in (1000, 4096, 7168, 14336, 16385):  # no tail, or past the range
         assert "TAIL" not in tail(N)
     for N in (1536, 5120, 8192, 10241):  # RMSNorm keeps its plans, but at 8193-10240
-        assert "TAIL" not in norm_module.forward_config(N, True)
-        assert "TAIL" not in norm_module.forward_config(N, True, residual=True)
+        assert "TAIL" not in norm_plans.forward_config(N, True)
+        assert "TAIL" not in norm_plans.forward_config(N, True, residual=True)
     for N in (8193, 8704, 9216, 10240):
-        assert norm_module.forward_config(N, True) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 2048,
+        assert norm_plans.forward_config(N, True) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 2048,
                                                       "num_warps": 8}
-    assert "TAIL" not in norm_module.forward_config(10240, True, residual=True)
+    assert "TAIL" not in norm_plans.forward_config(10240, True, residual=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -661,7 +662,7 @@ def test_layer_forward_rows_as_two_tiles(dtype, N, monkeypatch, device):
     x[2, 0] = 1000.0
     check("layer", x.to(dtype), (N,), torch.randn(N, device=device).to(dtype), torch.randn(N, device=device).to(dtype),
           factor=4)
-    warps = max(2, norm_module.rows_tail(N)[0] // 1024)
+    warps = max(2, norm_plans.rows_tail(N)[0] // 1024)
     assert tiles_launched(launches, "_forward_rows_kernel") == [two_tiles(N, warps)]
 
 
@@ -683,7 +684,7 @@ def test_backward_rows_as_two_tiles_plan():
     the row so, the tail widened to 4 values a thread (RMSNorm) or 8 (LayerNorm); with dh, or
     elsewhere, the tables'."""
     for clusters in (False, True):
-        config = lambda N, rms=True, dh=False: norm_module.backward_config(N, rms, dh, clusters)
+        config = lambda N, rms=True, dh=False: norm_plans.backward_config(N, rms, dh, clusters)
         assert config(5120) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 4096, "TAIL": 1024, "num_warps": 4,
                                 "PROGRAMS_PER_SM": 2}
         assert config(12288) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": 4096, "num_warps": 8,
@@ -733,33 +734,33 @@ def test_long_rows_plans():
     to 32768, and the longer slices of the backward with the residual's gradient past 65536."""
     def plan(cfg):
         return cfg["plan"], cfg.get("BLOCK", cfg.get("BLOCK_N"))
-    assert plan(norm_module.forward_config(512, True)) == ("rows", 512)
-    assert plan(norm_module.forward_config(513, True)) == ("long", 1024)
-    assert plan(norm_module.forward_config(8192, True)) == ("long", 8192)
-    assert plan(norm_module.forward_config(10241, True)) == ("long", 16384)
-    assert plan(norm_module.forward_config(4096, True, residual=True)) == ("rows", 4096)
-    assert plan(norm_module.forward_config(1000, False)) == ("rows", 1024)
-    assert norm_module.forward_config(1024, False) == {"plan": "long", "BLOCK": 1024, "num_warps": 2}
-    assert norm_module.forward_config(2048, False) == {"plan": "long", "BLOCK": 2048, "num_warps": 4}
-    assert plan(norm_module.forward_config(3584, False)) == ("rows", 4096)
-    assert norm_module.forward_config(4096, False) == {"plan": "long", "BLOCK": 4096, "num_warps": 4}
-    assert plan(norm_module.forward_config(8000, False)) == ("rows", 8192)
-    assert norm_module.forward_config(8192, False) == {"plan": "long", "BLOCK": 8192, "num_warps": 8}
-    assert plan(norm_module.forward_config(12289, False)) == ("rows", 16384)
-    assert norm_module.forward_config(16384, False) == {"plan": "long", "BLOCK": 16384, "num_warps": 8}
+    assert plan(norm_plans.forward_config(512, True)) == ("rows", 512)
+    assert plan(norm_plans.forward_config(513, True)) == ("long", 1024)
+    assert plan(norm_plans.forward_config(8192, True)) == ("long", 8192)
+    assert plan(norm_plans.forward_config(10241, True)) == ("long", 16384)
+    assert plan(norm_plans.forward_config(4096, True, residual=True)) == ("rows", 4096)
+    assert plan(norm_plans.forward_config(1000, False)) == ("rows", 1024)
+    assert norm_plans.forward_config(1024, False) == {"plan": "long", "BLOCK": 1024, "num_warps": 2}
+    assert norm_plans.forward_config(2048, False) == {"plan": "long", "BLOCK": 2048, "num_warps": 4}
+    assert plan(norm_plans.forward_config(3584, False)) == ("rows", 4096)
+    assert norm_plans.forward_config(4096, False) == {"plan": "long", "BLOCK": 4096, "num_warps": 4}
+    assert plan(norm_plans.forward_config(8000, False)) == ("rows", 8192)
+    assert norm_plans.forward_config(8192, False) == {"plan": "long", "BLOCK": 8192, "num_warps": 8}
+    assert plan(norm_plans.forward_config(12289, False)) == ("rows", 16384)
+    assert norm_plans.forward_config(16384, False) == {"plan": "long", "BLOCK": 16384, "num_warps": 8}
     for rms in (True, False):
-        assert plan(norm_module.forward_config(16385, rms)) == ("long", 8192)
-        assert plan(norm_module.forward_config(32769, rms))[0] == "split"
-        assert plan(norm_module.forward_config(24577, rms, narrow=False)) == ("long", 16384)
+        assert plan(norm_plans.forward_config(16385, rms)) == ("long", 8192)
+        assert plan(norm_plans.forward_config(32769, rms))[0] == "split"
+        assert plan(norm_plans.forward_config(24577, rms, narrow=False)) == ("long", 16384)
     # RMSNorm's narrow rows past 24576: the row as one chunk at 32 warps, held to 32 registers
-    assert norm_module.forward_config(24577, True) == {"plan": "long", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32}
-    assert plan(norm_module.forward_config(24577, False)) == ("long", 16384)
-    assert plan(norm_module.forward_config(32768, True, residual=True)) == ("rows", 32768)
-    assert plan(norm_module.forward_config(32769, True, residual=True))[0] == "split"
-    assert plan(norm_module.backward_config(65536, True, dh=True)) == ("blocks", 2048)
-    assert plan(norm_module.backward_config(131072, True, dh=True)) == ("blocks", 4096)
-    assert plan(norm_module.backward_config(262144, True, dh=True)) == ("blocks", 8192)
-    assert plan(norm_module.backward_config(262144, True)) == ("blocks", 2048)
+    assert norm_plans.forward_config(24577, True) == {"plan": "long", "BLOCK": 32768, "num_warps": 32, "maxnreg": 32}
+    assert plan(norm_plans.forward_config(24577, False)) == ("long", 16384)
+    assert plan(norm_plans.forward_config(32768, True, residual=True)) == ("rows", 32768)
+    assert plan(norm_plans.forward_config(32769, True, residual=True))[0] == "split"
+    assert plan(norm_plans.backward_config(65536, True, dh=True)) == ("blocks", 2048)
+    assert plan(norm_plans.backward_config(131072, True, dh=True)) == ("blocks", 4096)
+    assert plan(norm_plans.backward_config(262144, True, dh=True)) == ("blocks", 8192)
+    assert plan(norm_plans.backward_config(262144, True)) == ("blocks", 2048)
 
 
 def test_backward_plans_with_clusters():
@@ -768,31 +769,31 @@ def test_backward_plans_with_clusters():
     or 4097 (LayerNorm; but its rows as two tiles, 8193-10240, and its long plan at
     65537-98304) to 131072; the other plans stay as they were."""
     for rms in (True, False):
-        config = lambda N, dh=False: norm_module.backward_config(N, rms, dh, clusters=True)
+        config = lambda N, dh=False: norm_plans.backward_config(N, rms, dh, clusters=True)
         assert config(4096)["plan"] == "rows"
         assert config(4097)["plan"] == config(8192)["plan"] == ("rows" if rms else "cluster")
         assert config(12289)["plan"] == config(98305)["plan"] == config(131072)["plan"] == "cluster"
         assert config(65537)["plan"] == config(98304)["plan"] == ("cluster" if rms else "long")
         assert config(8193)["plan"] == config(10240)["plan"] == "rows"
         assert config(10241)["plan"] == ("rows" if rms else "cluster")
-        assert config(6144, dh=True) == norm_module.backward_config(6144, rms, dh=True)
-        assert config(131073) == norm_module.backward_config(131073, rms)
-        assert config(16384, dh=True) == norm_module.backward_config(16384, rms, dh=True)
-    assert norm_module.backward_config(131072, True, clusters=True) == \
-        norm_module.backward_config(131072, False, clusters=True) == \
+        assert config(6144, dh=True) == norm_plans.backward_config(6144, rms, dh=True)
+        assert config(131073) == norm_plans.backward_config(131073, rms)
+        assert config(16384, dh=True) == norm_plans.backward_config(16384, rms, dh=True)
+    assert norm_plans.backward_config(131072, True, clusters=True) == \
+        norm_plans.backward_config(131072, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_module.backward_config(65536, False, clusters=True) == \
+    assert norm_plans.backward_config(65536, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
-    assert norm_module.backward_config(16384, True, clusters=True) == \
+    assert norm_plans.backward_config(16384, True, clusters=True) == \
         {"plan": "cluster", "BLOCK": 2048, "num_warps": 4, "AHEAD": True}
-    assert norm_module.backward_config(32768, True, clusters=True) == \
+    assert norm_plans.backward_config(32768, True, clusters=True) == \
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_module.backward_config(32768, False, clusters=True) == \
+    assert norm_plans.backward_config(32768, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
-    assert norm_module.backward_config(16384, False, clusters=True) == \
+    assert norm_plans.backward_config(16384, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_module.backward_config(5120, False, clusters=True) == \
-        norm_module.backward_config(8192, False, clusters=True) == \
+    assert norm_plans.backward_config(5120, False, clusters=True) == \
+        norm_plans.backward_config(8192, False, clusters=True) == \
         {"plan": "cluster", "BLOCK": 1024, "num_warps": 4, "AHEAD": True}
 
 
@@ -803,18 +804,18 @@ def test_forward_plans_with_clusters():
     of 8192 at 128 registers); past those lengths the plans stay as they were. bf16 rows have
     their own table (x held in 16 bits, the next row ahead; slices of 32768 for RMSNorm at
     131073-245760, LayerNorm at 49153-65536 and 131073-245760)."""
-    config = lambda N, rms=True, residual=False: norm_module.forward_config(N, rms, residual, clusters=True)
-    assert config(32768) == norm_module.forward_config(32768, True)
+    config = lambda N, rms=True, residual=False: norm_plans.forward_config(N, rms, residual, clusters=True)
+    assert config(32768) == norm_plans.forward_config(32768, True)
     assert config(32769) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4}
     assert config(65537) == config(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4}
     assert config(131073) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 8, "maxnreg": 128}
     assert config(262145)["plan"] == "split"
-    assert config(32768, False) == norm_module.forward_config(32768, False)
+    assert config(32768, False) == norm_plans.forward_config(32768, False)
     assert (config(32769, False) == config(131072, False)
             == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "maxnreg": 128})
-    assert config(131073, False) == norm_module.forward_config(131073, False) == norm_module.FORWARD_SPLIT["layer"]
+    assert config(131073, False) == norm_plans.forward_config(131073, False) == norm_plans.FORWARD_SPLIT["layer"]
     for N in (1000, 32768, 262145):
-        assert config(N, residual=True) == norm_module.forward_config(N, True, residual=True)
+        assert config(N, residual=True) == norm_plans.forward_config(N, True, residual=True)
     # with a residual: across clusters, any dtype; bf16 h held
     assert config(32769, residual=True) == config(65536, residual=True) == {"plan": "cluster", "BLOCK": 8192,
                                                                               "num_warps": 4, "AHEAD": True}
@@ -822,7 +823,7 @@ def test_forward_plans_with_clusters():
                                                                                "num_warps": 8, "AHEAD": True,
                                                                                "HELD": True}
     # bf16 rows: x held in 16 bits and the next row loaded ahead where that won
-    bf16 = lambda N, rms=True: norm_module.forward_config(N, rms, clusters=True, bf16=True)
+    bf16 = lambda N, rms=True: norm_plans.forward_config(N, rms, clusters=True, bf16=True)
     assert bf16(32769) == bf16(65536) == config(65536)
     assert bf16(65537) == bf16(131072) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "AHEAD": True}
     slices_of_32768 = {"plan": "cluster", "BLOCK": 32768, "num_warps": 16, "AHEAD": True}
@@ -839,13 +840,13 @@ def test_forward_plans_with_clusters():
     assert bf16(262145)["plan"] == bf16(262145, False)["plan"] == "split"
     assert bf16(32768, False) == config(32768, False)
     for N in (32768, 32769, 65537, 262144, 262145):
-        assert norm_module.forward_config(N, True, residual=True, clusters=True, bf16=True) == config(N, residual=True)
-    assert config(262145, residual=True) == norm_module.FORWARD_SPLIT["rms+residual"]
+        assert norm_plans.forward_config(N, True, residual=True, clusters=True, bf16=True) == config(N, residual=True)
+    assert config(262145, residual=True) == norm_plans.FORWARD_SPLIT["rms+residual"]
 
 
 @pytest.fixture
 def cluster_device(device):
-    if not norm_module.cluster.available(torch.device(device)):
+    if not norm_api.cluster.available(torch.device(device)):
         pytest.skip("thread-block clusters need a GPU of compute capability 9.0+ and compiled kernels")
     return device
 
@@ -853,13 +854,13 @@ def cluster_device(device):
 def cluster_launches(monkeypatch):
     """The names of the kernels norm launches across clusters from now on."""
     launched = []
-    real_launch = norm_module.cluster.launch
+    real_launch = norm_api.cluster.launch
 
     def recording_launch(kernel, *args, **kwargs):
         launched.append(kernel.__name__)
         return real_launch(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(norm_module.cluster, "launch", recording_launch)
+    monkeypatch.setattr(norm_api.cluster, "launch", recording_launch)
     return launched
 
 
@@ -880,7 +881,7 @@ def test_backward_across_a_cluster(kind, dtype, N, affine, monkeypatch, cluster_
     b = torch.randn(N, device=cluster_device, dtype=dtype) if affine == "weight+bias" else None
     launched = cluster_launches(monkeypatch)
     check(kind, x, (N,), w, b)
-    across = norm_module.backward_config(N, kind == "rms", clusters=True)["plan"] == "cluster"
+    across = norm_plans.backward_config(N, kind == "rms", clusters=True)["plan"] == "cluster"
     assert launched == (["_backward_cluster_kernel"] if across else [])
     assert across == (N > 12288 or kind == "layer" and not 8192 < N <= 10240)
 
@@ -934,7 +935,7 @@ def test_rms_residual_forward_across_a_cluster(cfg, N, dtype, residual_dtype, cl
     x = torch.randn(97, N, device=cluster_device, dtype=dtype) * 2 + 0.5
     residual = torch.randn(97, N, device=cluster_device, dtype=residual_dtype or dtype)
     w = torch.randn(N, device=cluster_device, dtype=dtype)
-    y, h, _, rstd = norm_module._forward(x, residual, w, None, 1e-6, 0.0, True, torch.promote_types(
+    y, h, _, rstd = norm_api._forward(x, residual, w, None, 1e-6, 0.0, True, torch.promote_types(
         x.dtype, residual.dtype), {"plan": "cluster", **cfg})
     h_want = x + residual
     torch.testing.assert_close(h, h_want, rtol=0, atol=0)
@@ -998,8 +999,8 @@ def test_layer_forward_across_a_cluster_statistics(stats, dtype, cluster_device)
     x[20:30, 0] = -500.0  # flagged rows in successive rounds of a cluster: the exchanges' count
     x = x.to(dtype)
     w, b = torch.randn(N, device=cluster_device, dtype=dtype), torch.randn(N, device=cluster_device, dtype=dtype)
-    assert norm_module.forward_config(N, False, clusters=True)["plan"] == "cluster"
-    y, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype, stats=stats)
+    assert norm_plans.forward_config(N, False, clusters=True)["plan"] == "cluster"
+    y, _, mean, rstd = norm_api._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype, stats=stats)
     x64 = x.double()
     mean64, var64 = x64.mean(-1), x64.var(-1, unbiased=False)
     rstd64 = 1 / torch.sqrt(var64 + 1e-5)
@@ -1024,8 +1025,8 @@ def test_rms_forward_across_a_cluster_statistics(stats, cluster_device):
     x[3] = 0
     x[7] = 3e4
     w = torch.randn(N, device=cluster_device, dtype=torch.bfloat16)
-    assert norm_module.forward_config(N, True, clusters=True)["plan"] == "cluster"
-    y, _, _, rstd = norm_module._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype, stats=stats)
+    assert norm_plans.forward_config(N, True, clusters=True)["plan"] == "cluster"
+    y, _, _, rstd = norm_api._forward(x, None, w, None, 1e-6, 0.0, True, x.dtype, stats=stats)
     x64 = x.double()
     rstd64 = 1 / torch.sqrt(x64.pow(2).mean(-1) + 1e-6)
     assert_matches(y, x64 * rstd64[:, None] * w.double(), F.rms_norm(x, (N,), w, 1e-6))
@@ -1043,10 +1044,10 @@ def test_backward_across_a_cluster_is_deterministic(ahead, cluster_device):
     x = torch.randn(M, N, device=cluster_device, dtype=torch.bfloat16)
     w, b = torch.randn(N, device=cluster_device), torch.randn(N, device=cluster_device)
     dy = torch.randn(M, N, device=cluster_device, dtype=torch.bfloat16)
-    _, _, mean, rstd = norm_module._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
-    cfg = {**norm_module.backward_config(N, False, clusters=True), "AHEAD": ahead}
-    first = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
-    again = norm_module._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
+    _, _, mean, rstd = norm_api._forward(x, None, w, b, 1e-5, 0.0, False, x.dtype)
+    cfg = {**norm_plans.backward_config(N, False, clusters=True), "AHEAD": ahead}
+    first = norm_api._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
+    again = norm_api._backward(dy, None, x, w, True, mean, rstd, 0.0, False, x.dtype, cfg)
     assert all(torch.equal(g, g2) for g, g2 in zip(first, again))
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
     want = torch.autograd.grad(F.layer_norm(x64, (N,), w64, b64, 1e-5), (x64, w64, b64), dy.double())
@@ -1058,7 +1059,7 @@ def test_row_alignment():
     """The kernels' ALIGN: the largest power of 2 up to 8 dividing the row length and every
     row stride (a stride of 0, an expanded row, divides by anything); 1 where 16 divides them
     all (Triton's own specialisation covers those)."""
-    from pintail._launch import row_alignment
+    from pintail._core.launch import row_alignment
     assert row_alignment(1000, 1000, 0, 0, 1000) == 8
     assert row_alignment(3000, 6000) == 8
     assert row_alignment(700) == 4
@@ -1091,12 +1092,12 @@ def test_sum_partials(parts, N, monkeypatch, device):
     dw_parts = torch.randn(parts, N, device=device)
     db_parts = torch.randn(parts, N, device=device)
     for dtype in (torch.float32, torch.bfloat16):
-        dw, db = norm_module._sum_partials(dw_parts, db_parts, dtype, dtype)
+        dw, db = norm_api._sum_partials(dw_parts, db_parts, dtype, dtype)
         for got, want in ((dw, dw_parts), (db, db_parts)):
             assert got.dtype == dtype
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(got.double(), want.double().sum(0), rtol=tol, atol=tol)
-    again, _ = norm_module._sum_partials(dw_parts, db_parts, torch.float32, torch.float32)
-    assert torch.equal(norm_module._sum_partials(dw_parts, None, torch.float32, None)[0], again)
+    again, _ = norm_api._sum_partials(dw_parts, db_parts, torch.float32, torch.float32)
+    assert torch.equal(norm_api._sum_partials(dw_parts, None, torch.float32, None)[0], again)
     step = {3: 4, 5: 8, 32: 32, 70: 128, 600: 1024, 1100: 1024}[parts]
     assert {kwargs["PARTS_BLOCK"] for name, kwargs in launches if name == "_sum_partials_kernel"} == {step}

@@ -6,13 +6,14 @@ import triton
 import triton.language as tl
 
 import pintail
-from pintail import _cluster as cluster
+from pintail._core import cluster
 from helpers import DTYPES, assert_matches, boundary_shifts, line_aligned_rows
 
-softmax_module = importlib.import_module("pintail.softmax")  # the name pintail.softmax is the function
+softmax_api = importlib.import_module("pintail.softmax.api")
+softmax_plans = importlib.import_module("pintail.softmax.plans")
 OPS = {"softmax": (pintail.softmax, torch.softmax), "log_softmax": (pintail.log_softmax, torch.log_softmax)}
-FORWARD_PAST_ON_CHIP = softmax_module.FORWARD_ROWS[-1][0] + 1
-PAST_ON_CHIP = max(FORWARD_PAST_ON_CHIP, softmax_module.BACKWARD_ROWS[-1][0] + 1)
+FORWARD_PAST_ON_CHIP = softmax_plans.FORWARD_ROWS[-1][0] + 1
+PAST_ON_CHIP = max(FORWARD_PAST_ON_CHIP, softmax_plans.BACKWARD_ROWS[-1][0] + 1)
 
 
 def exact_backward(op, y, dy, dim=-1):
@@ -102,8 +103,8 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch
     only; here from 9 elements, to test it small. Boundaries of 16 and 128 bytes in both
     directions (ROW_SHIFT_BOUNDARY_BYTES: with 128 the rows start at the largest boundary that
     every tensor's alignment and strides allow)."""
-    monkeypatch.setattr(softmax_module, "ROWS_SHIFT_PAST", 0)
-    monkeypatch.setattr(softmax_module, "ROW_SHIFT_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
+    monkeypatch.setattr(softmax_plans, "ROWS_SHIFT_PAST", 0)
+    monkeypatch.setattr(softmax_plans, "ROW_SHIFT_BOUNDARY_BYTES", {"forward": boundary, "backward": boundary})
     wide = torch.randn(23, N + x_pad, device=device) * 3
     wide[1, 0] = wide[2, N - 1] = 1e4 if dtype != torch.float16 else 6e4
     wide[3, :3] = -float("inf")
@@ -116,8 +117,8 @@ def test_rows_from_16_byte_boundaries(op, dtype, N, x_pad, boundary, monkeypatch
         shifts.append((kernel.__name__, kwargs.get("SHIFT", 0)))
         real_launch(kernel, grid, *args, **kwargs)
 
-    real_launch = softmax_module.launch
-    monkeypatch.setattr(softmax_module, "launch", recording_launch)
+    real_launch = softmax_api.launch
+    monkeypatch.setattr(softmax_api, "launch", recording_launch)
     check_op(op, x, dy=dy)
     names = [name for name, _ in shifts]
     assert names == ["_forward_row_shift_kernel" if x_pad % 16 == 0 else "_forward_rows_kernel",
@@ -140,13 +141,13 @@ def test_split_plan_with_small_slices(M, N, lag_rounds, device):
     config = {"plan": "split", "BLOCK": 64, "num_warps": 4, "LAG_ROUNDS": lag_rounds, "PROGRAMS_PER_SM": 3}
     for log in (False, True):
         y = torch.empty_like(x)
-        softmax_module.launch_forward(x, y, log, config)
+        softmax_api.launch_forward(x, y, log, config)
         truth = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
         op = "log_softmax" if log else "softmax"
         assert_matches(y, truth, (torch.log_softmax if log else torch.softmax)(x, -1), scale=forward_scale(op, truth))
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        softmax_module.launch_backward(y, dy, dx, log, config)
+        softmax_api.launch_backward(y, dy, dx, log, config)
         dx_truth = torch.ops.aten._softmax_backward_data(dy.double(), truth, 1, torch.float64) if not log \
             else torch.ops.aten._log_softmax_backward_data(dy.double(), truth, 1, torch.float64)
         assert_matches(dx, dx_truth, dx_truth.float(), scale=backward_scale(op, truth, dy, end_to_end=True))
@@ -170,7 +171,7 @@ def test_rows_forward_as_two_tiles(dtype, M, N, head, tail, block_m, device):
     config = {"plan": "rows", "BLOCK_M": block_m, "BLOCK_N": head, "TAIL": tail, "num_warps": 4}
     for log in (False, True):
         y = torch.empty_like(x)
-        softmax_module.launch_forward(x, y, log, config)
+        softmax_api.launch_forward(x, y, log, config)
         torch_fn = torch.log_softmax if log else torch.softmax
         assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
 
@@ -190,7 +191,7 @@ def test_two_pass_forward_with_small_chunks(M, N, device):
     config = {"plan": "two_pass", "BLOCK": 64, "num_warps": 4}
     for log in (False, True):
         y = torch.empty_like(x)
-        softmax_module.launch_forward(x, y, log, config)
+        softmax_api.launch_forward(x, y, log, config)
         torch_fn = torch.log_softmax if log else torch.softmax
         assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
 
@@ -200,13 +201,13 @@ def test_long_rows_forward_plans():
     registers as packed words, reads other rows twice while a row is at most 64 KB (bf16 / fp16 up
     to 32768), then splits rows; float32 rows past the rows plan split."""
     for log in (False, True):
-        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 2, packable=True)["plan"] == "two_pass"
-        assert softmax_module.forward_config(28672, log, 2, packable=True)["plan"] == "packed"
-        assert softmax_module.forward_config(32768, log, 2, packable=True)["plan"] == "packed"
-        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 2)["plan"] == "two_pass"
-        assert softmax_module.forward_config(32768, log, 2)["plan"] == "two_pass"
-        assert softmax_module.forward_config(32769, log, 2, packable=True)["plan"] == "split"
-        assert softmax_module.forward_config(FORWARD_PAST_ON_CHIP, log, 4)["plan"] == "split"
+        assert softmax_plans.forward_config(FORWARD_PAST_ON_CHIP, log, 2, packable=True)["plan"] == "two_pass"
+        assert softmax_plans.forward_config(28672, log, 2, packable=True)["plan"] == "packed"
+        assert softmax_plans.forward_config(32768, log, 2, packable=True)["plan"] == "packed"
+        assert softmax_plans.forward_config(FORWARD_PAST_ON_CHIP, log, 2)["plan"] == "two_pass"
+        assert softmax_plans.forward_config(32768, log, 2)["plan"] == "two_pass"
+        assert softmax_plans.forward_config(32769, log, 2, packable=True)["plan"] == "split"
+        assert softmax_plans.forward_config(FORWARD_PAST_ON_CHIP, log, 4)["plan"] == "split"
 
 
 def test_long_rows_forward_plans_with_clusters():
@@ -218,7 +219,7 @@ def test_long_rows_forward_plans_with_clusters():
     their plans."""
     one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
     for log in (False, True):
-        config = lambda N, item_size=2, packable=True: softmax_module.forward_config(
+        config = lambda N, item_size=2, packable=True: softmax_plans.forward_config(
             N, log, item_size, packable, clusters=True)
         assert config(1000)["plan"] == "rows" and config(16384)["plan"] == "rows"
         assert config(16385) == config(32768) == config(65536) == one_row
@@ -244,34 +245,34 @@ def test_rows_that_leave_their_tile_part_empty_plans():
     part_filled = lambda block_n: {"plan": "rows", "BLOCK_N": block_n, "BLOCK_M": 1, "num_warps": 4}
     for log in (False, True):
         for N, block_n in ((1025, 2048), (1536, 2048), (2560, 4096), (4095, 4096), (5120, 8192), (8191, 8192)):
-            assert softmax_module.forward_config(N, log) == part_filled(block_n)
-            assert softmax_module.backward_config(N, log) == part_filled(block_n)
-        assert softmax_module.forward_config(2048, log) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 2048, "num_warps": 4}
-        assert softmax_module.forward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
-        assert softmax_module.backward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
-        assert softmax_module.forward_config(8192, log)["num_warps"] == 16
-        assert softmax_module.forward_config(1000, log)["BLOCK_M"] == 2
+            assert softmax_plans.forward_config(N, log) == part_filled(block_n)
+            assert softmax_plans.backward_config(N, log) == part_filled(block_n)
+        assert softmax_plans.forward_config(2048, log) == {"plan": "rows", "BLOCK_M": 1, "BLOCK_N": 2048, "num_warps": 4}
+        assert softmax_plans.forward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
+        assert softmax_plans.backward_config(4096, log) == {"plan": "rows", "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 16}
+        assert softmax_plans.forward_config(8192, log)["num_warps"] == 16
+        assert softmax_plans.forward_config(1000, log)["BLOCK_M"] == 2
         one_row = {"plan": "cluster", "BLOCK": 8192, "num_warps": 4, "PERSISTENT": False, "maxnreg": 80}
         for N in (8193, 16383):
-            assert softmax_module.forward_config(N, log, clusters=True) == one_row
-            assert softmax_module.backward_config(N, log, clusters=True) == {"plan": "cluster", "BLOCK": 4096,
+            assert softmax_plans.forward_config(N, log, clusters=True) == one_row
+            assert softmax_plans.backward_config(N, log, clusters=True) == {"plan": "cluster", "BLOCK": 4096,
                                                                              "num_warps": 4, "PERSISTENT": False}
-            for config in (softmax_module.forward_config, softmax_module.backward_config):
+            for config in (softmax_plans.forward_config, softmax_plans.backward_config):
                 assert config(N, log)["plan"] == config(N, log, 4, clusters=True)["plan"] == "rows"
-        assert softmax_module.forward_config(16384, log, clusters=True)["plan"] == "rows"
-        assert softmax_module.backward_config(16384, log, clusters=True)["plan"] == "rows"
+        assert softmax_plans.forward_config(16384, log, clusters=True)["plan"] == "rows"
+        assert softmax_plans.backward_config(16384, log, clusters=True)["plan"] == "rows"
         # whole 16-byte vectors of 8193-10240: two tiles (8192 and a power of two more, at least
         # 1024) at 4 warps, clusters or not; float32 and 10241+ as before
         for N, tail in ((8200, 1024), (8704, 1024), (9216, 1024), (9224, 2048), (10240, 2048)):
             for clusters in (False, True):
-                assert softmax_module.forward_config(N, log, 2, clusters=clusters, vectors=True) == {
+                assert softmax_plans.forward_config(N, log, 2, clusters=clusters, vectors=True) == {
                     "plan": "rows", "BLOCK_M": 1, "BLOCK_N": 8192, "TAIL": tail, "num_warps": 4}
-            assert softmax_module.forward_config(N, log, 4, clusters=True, vectors=True)["plan"] == "rows"
-            assert "TAIL" not in softmax_module.forward_config(N, log, 4, clusters=True, vectors=True)
+            assert softmax_plans.forward_config(N, log, 4, clusters=True, vectors=True)["plan"] == "rows"
+            assert "TAIL" not in softmax_plans.forward_config(N, log, 4, clusters=True, vectors=True)
         # past 10240 across a cluster, log_softmax's 10241-12288 in slices of 4096
         slices_4096 = {"plan": "cluster", "BLOCK": 4096, "num_warps": 4, "PERSISTENT": False}
         for N in (10248, 12288, 12289):
-            assert softmax_module.forward_config(N, log, clusters=True, vectors=N % 8 == 0) == (
+            assert softmax_plans.forward_config(N, log, clusters=True, vectors=N % 8 == 0) == (
                 slices_4096 if log and N <= 12288 else one_row)
 
 
@@ -290,8 +291,8 @@ def test_rows_that_leave_their_tile_part_empty(op, dtype, N, monkeypatch, device
     x[0, 8192:] = 50.0  # the row's max and most of its sum in the second tile
     x = x.to(dtype)
     log = op == "log_softmax"
-    planned = softmax_module.planned_forward(x, torch.empty_like(x), log)
-    forward, backward = planned["plan"], softmax_module.planned_backward(x, x, x, log)["plan"]
+    planned = softmax_api.planned_forward(x, torch.empty_like(x), log)
+    forward, backward = planned["plan"], softmax_api.planned_backward(x, x, x, log)["plan"]
     if dtype != torch.float32 and 8192 < N <= 10240:
         assert forward == ("rows" if N % 8 == 0 else "cluster" if cluster.available(x.device) else "row_shift")
         assert planned.get("TAIL", 0) == (max(1024, triton.next_power_of_2(N - 8192)) if N % 8 == 0 else 0)
@@ -324,7 +325,7 @@ def test_rows_of_whole_vectors_at_strides_that_are_not(op, monkeypatch, device):
     16384)."""
     x = (torch.randn(4, 10244, device=device) * 3).to(torch.bfloat16)[:, :10240]
     x[1, 9000:] = 40.0
-    planned = softmax_module.planned_forward(x, torch.empty(4, 10240, device=device, dtype=x.dtype), op == "log_softmax")
+    planned = softmax_api.planned_forward(x, torch.empty(4, 10240, device=device, dtype=x.dtype), op == "log_softmax")
     assert "TAIL" not in planned and planned["plan"] == ("cluster" if cluster.available(x.device) else "rows")
     assert forward_plans_run(monkeypatch, lambda: check_op(op, x))[0] == f"_forward_{planned['plan']}_kernel"
 
@@ -345,7 +346,7 @@ def plans_run(monkeypatch, fn):
         return recording_launch
 
     with monkeypatch.context() as patch:
-        patch.setattr(softmax_module, "launch", recorder(softmax_module.launch))
+        patch.setattr(softmax_api, "launch", recorder(softmax_api.launch))
         patch.setattr(cluster, "launch", recorder(cluster.launch))
         fn()
     return launched
@@ -376,8 +377,8 @@ def test_cluster_forward_and_backward(op, dtype, N, monkeypatch, cluster_device)
     x[3] += 1e4
     x = x.to(dtype)
     log = op == "log_softmax"
-    forward = softmax_module.forward_config(N, log, x.element_size(), clusters=True)["plan"]
-    backward = softmax_module.backward_config(N, log, x.element_size(), clusters=True)["plan"]
+    forward = softmax_plans.forward_config(N, log, x.element_size(), clusters=True)["plan"]
+    backward = softmax_plans.backward_config(N, log, x.element_size(), clusters=True)["plan"]
     assert forward == "cluster" and (backward == "cluster" or dtype == torch.float32 and N > 131072)
     assert plans_run(monkeypatch, lambda: check_op(op, x)) == [f"_forward_{forward}_kernel", f"_backward_{backward}_kernel"]
     x[4] = -float("inf")
@@ -405,11 +406,11 @@ def test_cluster_forms(form, op, dtype, N, block, cluster_device):
     dy = torch.randn_like(x)
     cfg = {"plan": "cluster", "BLOCK": block, "num_warps": 8, **form}
     y = torch.empty_like(x)
-    softmax_module.launch_forward(x, y, log, cfg)
+    softmax_api.launch_forward(x, y, log, cfg)
     torch_fn = OPS[op][1]
     assert_matches(y, torch_fn(x.double(), -1), torch_fn(x, -1))
     dx = torch.empty_like(x)
-    softmax_module.launch_backward(y, dy, dx, log, cfg)
+    softmax_api.launch_backward(y, dy, dx, log, cfg)
     dx_exact = exact_backward(op, y, dy)
     assert_matches(dx, dx_exact, dx_exact.to(dtype), scale=backward_scale(op, y, dy))
 
@@ -445,7 +446,7 @@ def test_cluster_rows_from_16_byte_boundaries(op, dtype, N, monkeypatch, cluster
     (dx,) = torch.autograd.grad(y, x, dy)
     dx_exact = exact_backward(op, y, dy)
     assert_matches(dx, dx_exact, dx_exact.to(dtype), scale=backward_scale(op, y, dy))
-    backward_plan = softmax_module.backward_config(N, log, x.element_size(), clusters=True)["plan"]
+    backward_plan = softmax_plans.backward_config(N, log, x.element_size(), clusters=True)["plan"]
     assert shifts == [16 // x.element_size()] * (2 if backward_plan == "cluster" else 1)
 
 
@@ -454,8 +455,8 @@ def test_row_shift_plan_where_it_won():
     ROWS_SHIFT_PAST elements, and only where no ALIGN gives 16-byte vectors already."""
     def plan(N, dtype=torch.bfloat16, pad=16):
         rows = torch.empty(2, N + pad, dtype=dtype)[:, :N], torch.empty(2, N, dtype=dtype)
-        return softmax_module._row_shift_config(N, "forward", False, *rows)
-    past = softmax_module.ROWS_SHIFT_PAST
+        return softmax_plans._row_shift_config(N, "forward", False, *rows)
+    past = softmax_plans.ROWS_SHIFT_PAST
     assert plan(past - 1) is None
     assert plan(past + 1) == {"plan": "row_shift", "BLOCK": 512, "SHIFT": 8, "num_warps": 1}
     assert plan(past + 1, torch.float32) is not None
@@ -464,7 +465,7 @@ def test_row_shift_plan_where_it_won():
     assert plan(past + 8) is None                # 8-divisible: ALIGN's 16-byte vectors
     assert plan(past + 1, pad=1) is None         # strides that disagree modulo 16 bytes
     rows = [torch.empty(2, 12289, dtype=torch.bfloat16) for _ in range(3)]
-    assert [softmax_module._row_shift_config(12289, "backward", log, *rows)["num_warps"] for log in (False, True)] \
+    assert [softmax_plans._row_shift_config(12289, "backward", log, *rows)["num_warps"] for log in (False, True)] \
         == [4, 8]                                # log_softmax's backward at 8 warps
 
 
@@ -608,14 +609,14 @@ def test_packed_forward_only_where_words_fit(monkeypatch, device):
 def test_own_row_backward_with_small_slices(M, N, device):
     """The own-row backward (each slice published, waited for and written by the program
     that loaded it) at a slice size small enough that on the GPU tiny rows cut into many
-    slices (the interpreter cuts rows into at most two: pintail/_split.py)."""
+    slices (the interpreter cuts rows into at most two: pintail/_core/split.py)."""
     config = {"plan": "own_row", "BLOCK": 64, "num_warps": 4, "PROGRAMS_PER_SM": 3}
     x = torch.randn(M, N, device=device) * 4
     for log in (False, True):
         y = (torch.log_softmax if log else torch.softmax)(x, -1)
         dy = torch.randn_like(x)
         dx = torch.empty_like(x)
-        softmax_module.launch_backward(y, dy, dx, log, config)
+        softmax_api.launch_backward(y, dy, dx, log, config)
         backward = torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
         dx_truth = backward(dy.double(), y.double(), 1, torch.float64)
         assert_matches(dx, dx_truth, dx_truth.float())
@@ -624,11 +625,11 @@ def test_own_row_backward_with_small_slices(M, N, device):
 def test_long_rows_backward_plans():
     """Past the on-chip limit softmax's backward takes the own-row plan, and past 64 slices
     of its largest slice the lagged split plan; log_softmax's takes the lagged plan."""
-    assert softmax_module.backward_config(PAST_ON_CHIP, log=False)["plan"] == "own_row"
-    assert softmax_module.backward_config(262144, log=False)["plan"] == "own_row"
-    largest = softmax_module.BACKWARD_OWN_ROW[-1][0]
-    assert softmax_module.backward_config(largest + 1, log=False)["plan"] == "split"
-    assert softmax_module.backward_config(PAST_ON_CHIP, log=True)["plan"] == "split"
+    assert softmax_plans.backward_config(PAST_ON_CHIP, log=False)["plan"] == "own_row"
+    assert softmax_plans.backward_config(262144, log=False)["plan"] == "own_row"
+    largest = softmax_plans.BACKWARD_OWN_ROW[-1][0]
+    assert softmax_plans.backward_config(largest + 1, log=False)["plan"] == "split"
+    assert softmax_plans.backward_config(PAST_ON_CHIP, log=True)["plan"] == "split"
 
 
 def test_long_rows_backward_plans_with_clusters():
@@ -638,17 +639,17 @@ def test_long_rows_backward_plans_with_clusters():
     up to 131072; past that softmax's take the own-row plan of 4096-element slices. Longer
     rows keep their plans."""
     for log in (False, True):
-        config = lambda N, item_size=2: softmax_module.backward_config(N, log, item_size, clusters=True)
+        config = lambda N, item_size=2: softmax_plans.backward_config(N, log, item_size, clusters=True)
         assert config(16384)["plan"] == "rows"
         assert config(16385) == config(65536) == {"plan": "cluster", "BLOCK": 4096, "num_warps": 4,
                                                   "PERSISTENT": False}
         assert config(65537) == config(262144) == {"plan": "cluster", "BLOCK": 16384, "num_warps": 16,
                                                    "PERSISTENT": True}
-        assert config(262145) == softmax_module.backward_config(262145, log)
+        assert config(262145) == softmax_plans.backward_config(262145, log)
         assert config(16385, 4) == config(131072, 4) == {"plan": "cluster", "BLOCK": 8192, "num_warps": 8,
                                                          "PERSISTENT": False}
-        assert config(131073, 4) == softmax_module.backward_config(131073, log, 4)
-    assert softmax_module.backward_config(262144, False, 4, clusters=True) == {
+        assert config(131073, 4) == softmax_plans.backward_config(131073, log, 4)
+    assert softmax_plans.backward_config(262144, False, 4, clusters=True) == {
         "plan": "own_row", "BLOCK": 4096, "num_warps": 4, "PROGRAMS_PER_SM": 4}
 
 
@@ -661,8 +662,8 @@ def test_rows_plan_with_tiles_of_rows(op, device):
     log = op == "log_softmax"
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dy = torch.randn_like(x)
-    softmax_module.launch_forward(x, y, log, config)
-    softmax_module.launch_backward(y, dy, dx, log, config)
+    softmax_api.launch_forward(x, y, log, config)
+    softmax_api.launch_backward(y, dy, dx, log, config)
     ref = OPS[op][1](x.double(), -1)
     assert_matches(y, ref, ref.float())
     backward = torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
@@ -696,8 +697,8 @@ def test_non_contiguous_views(op, view, device):
 def test_views_need_no_copy(op, device, monkeypatch):
     """A slice of rows reaches the kernel as it is: no contiguous() copy in between."""
     calls = []
-    original = softmax_module.launch_forward
-    monkeypatch.setattr(softmax_module, "launch_forward",
+    original = softmax_api.launch_forward
+    monkeypatch.setattr(softmax_api, "launch_forward",
                         lambda x, y, log, config=None: (calls.append(x), original(x, y, log, config)))
     base = torch.randn(12, 40, device=device)
     x = base[::3]
@@ -792,12 +793,12 @@ def test_side_rows_plan():
     1024 (19 would be more than 1.5 an idle SM); none where the clusters' rounds are too few
     for a side row (256 rows: 18 rounds, against 24), no SM is idle, or the clusters
     outnumber the rows."""
-    assert softmax_module.side_rows(512, 15, 8, 132) == 17
-    assert softmax_module.side_rows(768, 15, 8, 132) == 18
-    assert softmax_module.side_rows(1024, 15, 8, 132) == 4
-    assert softmax_module.side_rows(256, 15, 8, 132) == 0
-    assert softmax_module.side_rows(512, 16, 8, 128) == 0
-    assert softmax_module.side_rows(12, 15, 8, 132) == softmax_module.side_rows(15, 15, 8, 132) == 0
+    assert softmax_plans.side_rows(512, 15, 8, 132) == 17
+    assert softmax_plans.side_rows(768, 15, 8, 132) == 18
+    assert softmax_plans.side_rows(1024, 15, 8, 132) == 4
+    assert softmax_plans.side_rows(256, 15, 8, 132) == 0
+    assert softmax_plans.side_rows(512, 16, 8, 128) == 0
+    assert softmax_plans.side_rows(12, 15, 8, 132) == softmax_plans.side_rows(15, 15, 8, 132) == 0
 
 
 def side_rows_input(dtype, device, M=512, N=262144):

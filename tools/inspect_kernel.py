@@ -13,13 +13,14 @@ import os
 from collections import Counter
 
 import triton
+from op_modules import Op
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sm = importlib.import_module("pintail.softmax")
-ce = importlib.import_module("pintail.cross_entropy")
-norm = importlib.import_module("pintail.norm")
-rot = importlib.import_module("pintail.rotary")
+sm = Op("softmax")
+ce = Op("cross_entropy")
+norm = Op("norm")
+rot = Op("rotary")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

@@ -20,9 +20,10 @@ import importlib
 import itertools
 
 import torch
+from op_modules import Op
 from measure import copy_bandwidth, print_best, record
 
-ce = importlib.import_module("pintail.cross_entropy")
+ce = Op("cross_entropy")
 
 
 def main():

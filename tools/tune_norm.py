@@ -1,6 +1,6 @@
 """Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16 unless --dtype, M*N =
 2^27, with a weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
-Feeds the tables in pintail/norm.py and
+Feeds the tables in pintail/norm/plans.py and
 
     python tools/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
                                 [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
@@ -13,10 +13,11 @@ import json
 import os
 
 import torch
+from op_modules import Op
 from measure import copy_bandwidth, print_best, record
 
-norm = importlib.import_module("pintail.norm")
-launch = importlib.import_module("pintail._launch")
+norm = Op("norm")
+launch = importlib.import_module("pintail._core.launch")
 
 
 def configs(direction, N, rms):

@@ -1,6 +1,6 @@
 """Sweep the softmax launch configurations on a GPU (bf16, M*N = 2^27) and print, per
 direction and N, each configuration's fraction of the copy bandwidth. Feeds the tables in
-pintail/softmax.py and
+pintail/softmax/plans.py and
 
     python tools/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--default-only]
 """
@@ -11,10 +11,11 @@ import json
 import os
 
 import torch
+from op_modules import Op
 from measure import copy_bandwidth, print_best, record
 
-sm = importlib.import_module("pintail.softmax")
-launch = importlib.import_module("pintail._launch")
+sm = Op("softmax")
+launch = importlib.import_module("pintail._core.launch")
 
 
 def configs(N, direction):

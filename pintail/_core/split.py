@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, cdiv, next_power_of_2, program_slots
+from .launch import INTERPRET, cdiv, next_power_of_2, program_slots
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TRITON_3_6, cdiv, compiled_for
+from .launch import INTERPRET, TRITON_3_6, cdiv, compiled_for
 
 MAX_CLUSTER = 16  # 8 is the portable limit; the H100 / H200 allow 16 on request
 BUFFERS: tl.constexpr = tl.constexpr(4)  # buffers of words, and mbarriers: rows in flight (the module's docstring)
@@ -101,7 +101,7 @@ def window(N: int, block: int, *rows: torch.Tensor, boundary: int = 16) -> tuple
 
 
 def vector_shift(N: int, *rows: torch.Tensor, boundary: int = 16) -> int:
-    """SHIFT (`window`) for a row kernel that otherwise takes ALIGN (_launch.row_alignment):
+    """SHIFT (`window`) for a row kernel that otherwise takes ALIGN (launch.row_alignment):
     where the row length or a row stride leaves the rows' starts short of 16-byte alignment,
     the rows from their first boundary as `window` allows; else 0 (ALIGN's vectors, or
     Triton's own 16-divisibility, are 16 bytes already)."""
