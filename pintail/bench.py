@@ -257,9 +257,9 @@ def benchmark(args):
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "triton": triton.__version__, "dtype": args.dtype, "copy_tbps": copy_bw / 1e12,
-                   "results": results}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+                   "copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table + "\n")
     _plot(results, copy_bw, os.path.join(args.out, "bandwidth.png"))

@@ -46,8 +46,11 @@ def row_alignment(*sizes: int) -> int:
 def aligned(value, ALIGN: tl.constexpr):
     """value, a multiple of ALIGN (row_alignment), written as one so that the compiler's
     alignment analysis sees it (tl.multiple_of on a kernel's scalar argument does not reach
-    it: the loads stayed 2-byte wide, sm_90)."""
-    return (value // ALIGN) * ALIGN
+    it: the loads stayed 2-byte wide, sm_90); value itself where ALIGN is 1. Every kernel's
+    prologue passes its row length and row strides through it."""
+    if ALIGN > 1:
+        value = (value // ALIGN) * ALIGN
+    return value
 
 
 @triton.jit

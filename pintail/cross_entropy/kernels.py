@@ -155,8 +155,8 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stat
     # of SHIFT elements (class `first`), over its whole pieces between boundaries, and the up
     # to 2 x (SHIFT - 1) classes outside them one at a time (cluster.window). EVEN: rows of
     # whole chunks, loaded without a mask (launch.in_row).
-    if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (launch.row_alignment)
-        V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
+    # vector loads for rows of 8- or 4-divisible length (launch.row_alignment)
+    V, x_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     chunks, first, span = x_row, 0, V
@@ -231,8 +231,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, sta
     # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
     # SHIFT: the logits' and the targets' rows from the same boundary, as in _forward_kernel
     # (cluster.window: their row strides agree modulo SHIFT). EVEN as in _forward_kernel.
-    if ALIGN > 1:  # as in _forward_kernel
-        V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     y_chunks = y_ptr + cluster.slice_start(row, y_row_stride, SHIFT)
@@ -291,8 +290,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr,
     # folded into scalars first (the gradient g, the ignored row, the bad target), so that
     # an element costs a load, two FADD/FFMA, an exp, a compare and a select, an FFMA and a
     # store (the issue rate, not the bytes, held the options' body: 0.44-0.62 of copy).
-    if ALIGN > 1:  # as in the forward
-        V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # classes from the chunks' start, class `first`
     first = 0
@@ -360,9 +358,8 @@ def _backward_probs_kernel(dx_ptr, x_ptr, y_ptr, weight_ptr, stats_ptr, mass_ptr
                            ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
     # One chunk of one row; SHIFT as in _backward_kernel, the targets' rows from the same
     # boundary as the logits' (cluster.window).
-    if ALIGN > 1:  # as in the forward
-        V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
-        y_row_stride = aligned(y_row_stride, ALIGN)
+    V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    y_row_stride = aligned(y_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     first = 0

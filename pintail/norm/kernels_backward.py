@@ -25,9 +25,8 @@ def _backward_rows_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, dx_p
     # The next tile's x and dy are loaded before this tile is computed and stored, so that
     # a program always has reads in flight (few programs fit on an SM at these registers).
     # TAIL > 0: the row as two tiles, BLOCK_N columns and TAIL more (as the forward's).
-    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
-        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
-        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+    dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     HEAD_IN_ROW: tl.constexpr = EVEN or TAIL > 0  # with a tail every head column is in the row (rows_tail)
     cols = tl.arange(0, BLOCK_N)
     w_eff = _weight_piece(w_ptr, cols, N, weight_offset, HAS_WEIGHT, HEAD_IN_ROW)
@@ -158,8 +157,7 @@ def _row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, sums_ptr, N, inv_
                      weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
                      EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # Rows longer than one chunk: mean(g x^) and mean(g) of each row, before the main kernel.
-    if ALIGN > 1:  # as in the forward
-        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+    N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     mean = 0.0 if RMS else tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
@@ -192,9 +190,8 @@ def _backward_chunks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, su
                             EVEN: tl.constexpr, ALIGN: tl.constexpr):
     # Program (row block, column chunk): dx of the chunk for each row of the block, and the
     # chunk's dweight / dbias summed over the block.
-    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
-        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
-        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+    dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = in_row(cols, N, EVEN)
@@ -248,9 +245,8 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
     # A program takes a new ticket only when its block is done, so a wait can stall only on
     # the newest block, whose missing tickets go to the next programs to finish: no deadlock
     # while SLICES programs can run at once (the host keeps SLICES <= the SMs).
-    if ALIGN > 1:  # as in the forward: vector loads and stores for rows of 8- or 4-divisible length
-        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
-        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+    dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = tl.cdiv(M, ROWS) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -307,9 +303,8 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
     # peers, writes its slice of dx, and adds dy x^ (and dy) of its columns over the rows its
     # cluster takes: one float32 partial row a cluster for _sum_partials_kernel. AHEAD: the
     # next row's x and dy are loaded before this row's exchange.
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
-        dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
+    dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N

@@ -26,9 +26,9 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     # mean / rstd for the backward (4-byte stores a row cost LayerNorm 0.025 of copy at 1024).
     # TAIL > 0: the row is two tiles, BLOCK_N columns and TAIL more, so that a row of
     # 5120 = 4096 + 1024 computes on 5120 lanes, not on a tile of 8192 (rows_tail).
-    if ALIGN > 1:  # row length and strides multiples of ALIGN (launch.row_alignment): vector loads
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
-        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
+    # row length and strides multiples of ALIGN (launch.row_alignment): vector loads
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
@@ -115,9 +115,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
     # (BLOCK >= N): loops of one trip known at compile time, so straight-line code, where the
     # compiler may issue pass 2's loads before pass 1's reduction ends. EVEN: unmasked
     # (launch.in_row).
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
-        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     end = BLOCK if ONE_CHUNK else N
     keep: tl.constexpr = "" if HAS_RESIDUAL else "evict_last"
     drop: tl.constexpr = "" if HAS_RESIDUAL else "evict_first"
@@ -318,9 +317,8 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
     # not first + mean(s), which would round at the scale of x - first. The lagged write
     # recomputes h = x + residual from its inputs (from L2) rather than re-reading the h just
     # stored by another program, which would need a release / acquire pair to be visible.
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
-        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -426,9 +424,8 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
     # HAS_RESIDUAL (RMSNorm): the row normalised is h = x + residual, rounded to h's dtype once
     # as torch's, stored before the exchange and held in that dtype (BF16_HELD: h is bf16).
     tl.static_assert(RMS or not HAS_RESIDUAL, "LayerNorm takes no residual")
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
-        residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
     cols = rank * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < N

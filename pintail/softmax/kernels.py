@@ -25,8 +25,8 @@ def _forward_rows_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LOG: tl
     # (N == BLOCK_N + TAIL, M a multiple of BLOCK_M): no masks (launch.in_row). TAIL > 0:
     # the row as two tiles, BLOCK_N columns and TAIL more (launch.rows_tail), so that a row of
     # 10240 = 8192 + 2048 computes on 10240 lanes, not on a tile of 16384.
-    if ALIGN > 1:  # vector loads for rows of 8- or 4-divisible length (launch.row_alignment)
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    # vector loads for rows of 8- or 4-divisible length (launch.row_alignment)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = in_row(rows, M, EVEN)
     rows = rows.to(tl.int64)
@@ -82,8 +82,7 @@ def _forward_row_shift_kernel(x_ptr, y_ptr, M, N, x_row_stride, y_row_stride, LO
 def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_stride, SLICES, LAG,
                           LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr, ALIGN: tl.constexpr):
     # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -263,8 +262,7 @@ def _softmax_across_cluster(x, x_ends, WORDS, i, token, LOG: tl.constexpr, CLUST
 @triton.jit
 def _forward_two_pass_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, first_row, LOG: tl.constexpr,
                              BLOCK: tl.constexpr, ALIGN: tl.constexpr, AFTER_CLUSTERS: tl.constexpr = False):
-    if ALIGN > 1:  # as in the rows kernel
-        N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
+    N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     # One program a row, two passes: (max, sum of exp(x - max)) chunk by chunk, then y. The
     # first pass's loads ask L2 to keep the row (evict_last) and the second's to drop it
     # (evict_first), so the second read comes from L2 while the rows in flight fit there.
@@ -335,9 +333,8 @@ def _forward_packed_kernel(x_ptr, y_ptr, N, x_row_stride, y_row_stride, zero, LO
 @triton.jit
 def _backward_rows_kernel(y_ptr, dy_ptr, dx_ptr, M, N, y_row_stride, dy_row_stride, dx_row_stride,
                           LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
-    if ALIGN > 1:  # as in the forward
-        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
-        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+    dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -369,9 +366,8 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
                            SLICES, LAG, LOG: tl.constexpr, BLOCK: tl.constexpr, SLICES_POW2: tl.constexpr,
                            ALIGN: tl.constexpr):
     # The forward split plan, with one partial sum per slice: sum(dy) or sum(y * dy).
-    if ALIGN > 1:  # as in the rows kernel
-        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
-        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+    dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = (M + LAG) * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     while ticket < end:
@@ -410,9 +406,8 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
     # as soon as the slice is loaded; the slice's dx once its row is complete. Each program
     # holds two tickets: the one it waits on and the next, whose partial it has published
     # before it waits (_split.py: why that cannot deadlock).
-    if ALIGN > 1:  # as in the rows kernel
-        N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
-        dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
+    N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
+    dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = M * SLICES
     ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
     row = ticket // SLICES
