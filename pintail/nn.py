@@ -23,16 +23,18 @@ class LogSoftmax(torch.nn.LogSoftmax):
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     """torch.nn.CrossEntropyLoss running pintail.cross_entropy; the keyword-only extras of
-    pintail.cross_entropy (z_loss, softcap, inplace_backward) can be set at construction."""
+    pintail.cross_entropy (z_loss, softcap, inplace_backward, out_dtype) can be set at construction."""
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-                 label_smoothing=0.0, *, z_loss=0.0, softcap=None, inplace_backward=False):
+                 label_smoothing=0.0, *, z_loss=0.0, softcap=None, inplace_backward=False, out_dtype=None):
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         self.z_loss, self.softcap, self.inplace_backward = z_loss, softcap, inplace_backward
+        self.out_dtype = out_dtype
 
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-                             z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward)
+                             z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward,
+                             out_dtype=self.out_dtype)
 
 
 class RMSNorm(torch.nn.RMSNorm):

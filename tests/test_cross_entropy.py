@@ -799,3 +799,57 @@ def test_past_2_to_the_31_elements_and_peak_memory(device):
         (dx_truth,) = torch.autograd.grad(truth.sum(), row64)
         assert_matches(loss[r:r + 1], truth, F.cross_entropy(x[r:r + 1].detach(), t[r:r + 1], reduction="none"))
         assert_matches(dx[r], dx_truth, dx_truth.to(dx.dtype))
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """(shape, dtype) of every tensor an op allocates while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", [dict(reduction="mean"), dict(reduction="sum", z_loss=1e-3),
+                                     dict(reduction="none", label_smoothing=0.1),
+                                     dict(reduction="mean", weight=True, z_loss=1e-3)],
+                         ids=["mean", "sum_z", "none_smoothing", "mean_weight_z"])
+def test_float32_loss_from_16_bit_logits(dtype, options, device):
+    """out_dtype=torch.float32: the loss, the z-loss term and the rows of reduction="none" in
+    float32, to float32's precision against float64 torch on the same 16-bit logits, with no
+    (tokens x vocab) float32 tensor made; the gradient in the logits' dtype."""
+    options = dict(options)
+    M, V = 9, 600
+    x = (torch.randn(M, V, device=device) * 3).to(dtype)
+    target = class_targets(M, V, device)
+    if options.pop("weight", False):
+        options["weight"] = torch.rand(V, device=device).to(dtype)
+    leaf = x.detach().requires_grad_()
+    with _Allocations() as allocations:
+        loss, z, _ = pintail.cross_entropy(leaf, target, out_dtype=torch.float32, return_z_loss=True,
+                                           return_lse=True, **options)
+    assert loss.dtype == torch.float32 and z.dtype == torch.float32
+    assert not any(shape == (M, V) and dt == torch.float32 for shape, dt in allocations.seen), \
+        [s for s in allocations.seen if s[0] == (M, V)]
+    cast = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
+    loss_truth, z_truth, _ = torch_cross_entropy(x.double().requires_grad_(), target, **cast)
+    size = torch.logsumexp(x.double(), 1).abs().max().item() + x.double().abs().max().item()
+    assert_matches(loss, loss_truth, scale=size)
+    assert_matches(z, z_truth, scale=size**2 * 1e-3)
+    (dx,) = torch.autograd.grad(loss, leaf, torch.ones_like(loss))
+    assert dx.dtype == dtype
+    same = pintail.cross_entropy(x.detach().requires_grad_(), target, **options)
+    assert same.dtype == dtype  # torch's rule without out_dtype
+
+
+def test_out_dtype_is_checked(device):
+    x = torch.randn(3, 5, device=device)
+    with pytest.raises(ValueError, match="out_dtype must be None"):
+        pintail.cross_entropy(x, torch.tensor([0, 1, 2], device=device), out_dtype=torch.float16)

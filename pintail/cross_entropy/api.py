@@ -40,17 +40,18 @@ def _mass_rows(M, weight, smoothing, prob_target):
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
-def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction):
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction,
+                    out_dtype=None):
     """Per-row loss, (max, log-sum) pairs and mass (_mass_rows), float32, of x[M, V] (lse =
-    max + log-sum); with reduction sum / mean also the reduced loss (0-d, x's dtype) and the
-    mean's denominator (float32), from a second one-program kernel."""
+    max + log-sum); with reduction sum / mean also the reduced loss (0-d, out_dtype, default
+    x's) and the mean's denominator (float32), from a second one-program kernel."""
     M, V = x.shape
     device = x.device
     loss = torch.empty(M, dtype=torch.float32, device=device)
     stats = torch.empty(M, 2, dtype=torch.float32, device=device)
     mass = torch.empty(_mass_rows(M, weight, smoothing, prob_target), dtype=torch.float32, device=device)
     reduce = REDUCE_CODES[reduction]
-    out = torch.empty((), dtype=x.dtype, device=device) if reduce else loss
+    out = torch.empty((), dtype=out_dtype or x.dtype, device=device) if reduce else loss
     denominator = torch.empty((), dtype=torch.float32, device=device) if reduce == 2 else loss
     if M == 0:
         return loss, stats, mass, out.fill_(0.0 if reduce == 1 else float("nan")), denominator.fill_(0.0)
@@ -147,8 +148,9 @@ class _Reduction:
     mean (divided by the kept rows' summed class weights; by the row count for probability
     targets). Also the derivative of that step, for the eager backward."""
 
-    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape, dtype):
-        self.reduction, self.batch_shape, self.dtype = reduction, batch_shape, dtype  # dtype: of the row losses
+    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape, dtype, out_dtype):
+        # dtype: the row losses'; out_dtype: the returned loss's
+        self.reduction, self.batch_shape, self.dtype, self.out_dtype = reduction, batch_shape, dtype, out_dtype
         self.target, self.weight, self.ignore_index, self.prob_target = target, weight, ignore_index, prob_target
         self._denominator = None
 
@@ -184,11 +186,12 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, x, target, weight, options, reduce, inplace):
         fused = runs_kernels(x) and x.dtype in KERNEL_DTYPES and reduce.reduction != "none"
         if fused:
-            _, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction)
+            _, stats, mass, loss, denominator = _launch_forward(x, target, weight, *options, reduce.reduction,
+                                                                reduce.out_dtype)
             denominator = denominator if reduce.reduction == "mean" else None
         else:
             rows, stats, mass = _forward(x, target, weight, *options)
-            loss, denominator = reduce(rows).to(x.dtype), None
+            loss, denominator = reduce(rows).to(reduce.out_dtype), None
         ctx.save_for_backward(x, target, weight, stats, mass, denominator)
         ctx.options, ctx.reduce, ctx.inplace, ctx.fused = options, reduce, inplace, fused
         ctx.mark_non_differentiable(stats)
@@ -266,11 +269,11 @@ _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
 def _loss_and_stats(x, target, weight, options, reduce, inplace):
-    """(the reduced loss in x's dtype, (max, log-sum) per row). Under torch.compile through the custom
-    ops, with the reduction as traced torch ops (and the gradient never written in place)."""
+    """(the reduced loss in reduce.out_dtype, (max, log-sum) per row). Under torch.compile through
+    the custom ops, with the reduction as traced torch ops (and the gradient never written in place)."""
     if torch.compiler.is_compiling():
         rows, stats, _ = _forward_op(x, target, weight, *options)
-        return reduce(rows).to(x.dtype), stats
+        return reduce(rows).to(reduce.out_dtype), stats
     return _CrossEntropy.apply(x, target, weight, options, reduce, inplace)
 
 
@@ -371,13 +374,13 @@ class _TargetCheck:
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
-                  check_target=True):
+                  check_target=True, out_dtype=None):
     """torch.nn.functional.cross_entropy, with Triton kernels on CUDA, plus extras.
 
     Takes what torch takes: input (C), (N, C) or (N, C, d1, ...) with classes on dim 1;
     class-index targets (int64, int32 or uint8) or class-probability targets (floating point,
     the input's shape); weight, ignore_index, reduction, label_smoothing. Returns what torch
-    returns, in the input's dtype (computed in float32).
+    returns, in the input's dtype (computed in float32), or in out_dtype.
 
     Keyword-only extras:
     - z_loss: adds z_loss * lse^2 for every kept row (lse: the row's log-sum-exp), reduced
@@ -392,6 +395,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
       and runs its backward later raises autograd's "modified by an inplace operation" error.
       Leaf logits (made by the caller, not by an op) are never overwritten, and under
       torch.compile the gradient gets its own tensor.
+    - out_dtype: None (torch's rule: the input's dtype) or torch.float32: the loss, the z-loss
+      term and reduction="none" losses in float32, computed from 16-bit logits without a
+      float32 copy of them (what transformers' loss gives after upcasting the logits, without
+      the upcast); the gradient stays in the logits' dtype.
     - check_target: in eager mode an out-of-range class index raises IndexError. A
       one-program kernel counts such targets before the forward; the host waits for that
       kernel only (not for the forward, which is launched before the wait), and scans the
@@ -404,6 +411,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
     prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"pintail.cross_entropy: out_dtype must be None (the input's dtype) or torch.float32, "
+                         f"got {out_dtype}")
     if not prob_target and weight is not None and weight.requires_grad and torch.is_grad_enabled():
         raise RuntimeError("pintail.cross_entropy: not differentiable with respect to weight for class-index "
                            "targets (as torch's nll_loss); pass a weight that does not require grad")
@@ -426,8 +436,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             else:
                 _check_target_values(t, C, ignore_index)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
+    loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape,
-                        torch.promote_types(input.dtype, torch.float32))
+                        torch.promote_types(input.dtype, torch.float32), loss_dtype)
     # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
     try:
         loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
@@ -441,7 +452,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:
         kept = torch.ones_like(lse) if prob_target else (t != ignore_index).float()
-        outputs.append(reduce(z_loss * lse**2 * kept).to(input.dtype))
+        outputs.append(reduce(z_loss * lse**2 * kept).to(loss_dtype))
     if return_lse:
         outputs.append(lse.reshape(batch_shape))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
