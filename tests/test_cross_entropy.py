@@ -821,10 +821,11 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
                                      dict(reduction="none", label_smoothing=0.1),
                                      dict(reduction="mean", weight=True, z_loss=1e-3)],
                          ids=["mean", "sum_z", "none_smoothing", "mean_weight_z"])
-def test_float32_loss_from_16_bit_logits(dtype, options, device):
+def test_float32_loss_from_16_bit_logits(dtype, options, device, on_reference):
     """out_dtype=torch.float32: the loss, the z-loss term and the rows of reduction="none" in
     float32, to float32's precision against float64 torch on the same 16-bit logits, with no
-    (tokens x vocab) float32 tensor made; the gradient in the logits' dtype."""
+    (tokens x vocab) float32 tensor made by the kernels (the torch reference path computes
+    in float32 by design); the gradient in the logits' dtype."""
     options = dict(options)
     M, V = 9, 600
     x = (torch.randn(M, V, device=device) * 3).to(dtype)
@@ -836,7 +837,7 @@ def test_float32_loss_from_16_bit_logits(dtype, options, device):
         loss, z, _ = pintail.cross_entropy(leaf, target, out_dtype=torch.float32, return_z_loss=True,
                                            return_lse=True, **options)
     assert loss.dtype == torch.float32 and z.dtype == torch.float32
-    assert not any(shape == (M, V) and dt == torch.float32 for shape, dt in allocations.seen), \
+    assert on_reference or not any(shape == (M, V) and dt == torch.float32 for shape, dt in allocations.seen), \
         [s for s in allocations.seen if s[0] == (M, V)]
     cast = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
     loss_truth, z_truth, _ = torch_cross_entropy(x.double().requires_grad_(), target, **cast)
