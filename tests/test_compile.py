@@ -81,7 +81,10 @@ def test_opcheck_cross_entropy(options, device, on_reference):
                                                                          "probabilities") else None
         smoothing = 0.2 if options in ("ignored_weight_smoothing", "probabilities") else 0.0
         z, cap = (1e-3, 12.0) if options == "z_softcap" else (0.0, 0.0)
-        options_args = (-100, smoothing, z, cap, prob)
+        z_ratio = None
+        if options == "ignored_weight_smoothing":  # the weighted mean's z-loss factor, a 0-d tensor
+            z, z_ratio = 1e-3, torch.tensor(1.7, device=device)
+        options_args = (-100, smoothing, z, cap, prob, z_ratio)
         opcheck(torch.ops.pintail.cross_entropy_forward.default,
                 (x.clone().requires_grad_(), target, weight, *options_args))
         rows, stats, mass = torch.ops.pintail.cross_entropy_forward.default(x, target, weight, *options_args)
@@ -189,7 +192,7 @@ def test_compile_norms(kind, device, on_reference):
                              lambda x, w, b: F.layer_norm(x * 2, (N,), w, b, eps), [x, w, b])
 
 
-@pytest.mark.parametrize("options", [dict(), dict(weight=True, label_smoothing=0.1),
+@pytest.mark.parametrize("options", [dict(), dict(weight=True, label_smoothing=0.1, z_loss=1e-3),
                                      dict(reduction="none", z_loss=1e-3, softcap=8.0), dict(probabilities=True)],
                          ids=["plain", "weight_smoothing", "none_z_softcap", "probabilities"])
 def test_compile_cross_entropy(options, device, on_reference):
@@ -212,7 +215,12 @@ def test_compile_cross_entropy(options, device, on_reference):
             logits = x * 2 if cap is None else cap * torch.tanh(x * 2 / cap)
             loss = F.cross_entropy(logits, target.to(x.dtype) if target.is_floating_point() else target, weight,
                                    **options)
-            return loss + z * torch.logsumexp(logits, 1) ** 2 * (target != -100) if z else loss
+            if not z:
+                return loss
+            kept = (target != -100).to(logits.dtype) if not target.is_floating_point() else torch.ones_like(logits[:, 0])
+            z_rows = z * torch.logsumexp(logits, 1) ** 2 * kept  # a mean over kept rows, whatever the weights
+            reduction = options.get("reduction", "mean")
+            return loss + {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
 
         compiled_matches(ours, theirs, [x, weight])
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import pintail
-from helpers import DTYPES, assert_matches, boundary_shifts, line_aligned_rows
+from helpers import DTYPES, RTOL, assert_matches, boundary_shifts, line_aligned_rows
 
 cross_entropy_api = importlib.import_module("pintail.cross_entropy.api")
 cross_entropy_plans = importlib.import_module("pintail.cross_entropy.plans")
@@ -21,14 +21,10 @@ def torch_cross_entropy(x, target, weight=None, ignore_index=-100, reduction="me
                            label_smoothing=label_smoothing)
     class_dim = 0 if x.dim() == 1 else 1
     lse = torch.logsumexp(x.float() if x.dtype != torch.float64 else x, dim=class_dim)
-    if target.dtype.is_floating_point:
-        kept, denominator = torch.ones_like(lse), lse.numel()
-    else:
-        kept = (target != ignore_index).to(lse.dtype)
-        kept_target = torch.where(target != ignore_index, target, 0)
-        denominator = kept.sum() if weight is None else (weight.to(lse.dtype)[kept_target] * kept).sum()
+    # z-loss: a per-token penalty, averaged over the kept rows whatever the class weights
+    kept = torch.ones_like(lse) if target.dtype.is_floating_point else (target != ignore_index).to(lse.dtype)
     z_rows = z_loss * lse**2 * kept
-    z = {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / denominator}[reduction]
+    z = {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
     return loss + z.to(loss.dtype), z, lse
 
 
@@ -98,7 +94,10 @@ def gradient_scale(x, target, upstream, weight=None, ignore_index=-100, reductio
         kept = (t != ignore_index).to(x.dtype)
         safe = torch.where(t != ignore_index, t, 0).clamp(0, V - 1)
         w_t = (1 - e) * w[safe]
-        terms = p * (w_t + e / V * w.sum() + 2 * z_loss * lse.abs()) + e / V * w
+        z_ratio = 1.0  # the z term averages over kept rows: g's weighted denominator times W / kept
+        if reduction == "mean" and weight is not None:
+            z_ratio = (w[safe] * kept).sum() / kept.sum().clamp_min(1)
+        terms = p * (w_t + e / V * w.sum() + 2 * z_loss * z_ratio * lse.abs()) + e / V * w
         terms = terms.scatter_add(-1, safe, w_t) * kept
     g = upstream.reshape(-1)[0] if reduction != "none" else upstream.reshape(*x.shape[:-1], 1)
     if reduction == "mean":
@@ -253,9 +252,9 @@ def test_weight_total_from_the_forward(V, device):
     target = torch.randint(0, V, (5,), device=device)
     weight = torch.rand(V, device=device, dtype=torch.bfloat16) + 0.5
     assert cross_entropy_plans._vectors(V, "forward", (x,))[1] == 8  # rows from their boundaries, ends apart
-    mass = cross_entropy_api._launch_forward(x, target, weight, -100, 0.1, 0.0, 0.0, False, "none")[2]
+    mass = cross_entropy_api._launch_forward(x, target, weight, -100, 0.1, 0.0, 0.0, False, None, "none")[2]
     assert torch.allclose(mass, weight.float().sum().expand(5), rtol=1e-5)
-    no_smoothing = cross_entropy_api._launch_forward(x, target, weight, -100, 0.0, 0.0, 0.0, False, "none")[2]
+    no_smoothing = cross_entropy_api._launch_forward(x, target, weight, -100, 0.0, 0.0, 0.0, False, None, "none")[2]
     assert no_smoothing.numel() == 0
 
 
@@ -737,11 +736,11 @@ def test_compile_fullgraph_and_opcheck(device):
     loss_eager = step(x)
     (grad_eager,) = torch.autograd.grad(loss_eager, x)
     assert torch.allclose(loss, loss_eager, rtol=1e-5) and torch.allclose(grad, grad_eager, rtol=1e-4, atol=1e-7)
-    args = (x.detach().requires_grad_(), t, w, -100, 0.1, 1e-3, 20.0, False)
+    args = (x.detach().requires_grad_(), t, w, -100, 0.1, 1e-3, 20.0, False, torch.tensor(1.3, device=device))
     torch.library.opcheck(torch.ops.pintail.cross_entropy_forward.default, args)
     probs = torch.softmax(torch.randn(6, 90, device=device), 1)
     torch.library.opcheck(torch.ops.pintail.cross_entropy_forward.default,
-                          (x.detach().requires_grad_(), probs, None, -100, 0.0, 0.0, 0.0, True))
+                          (x.detach().requires_grad_(), probs, None, -100, 0.0, 0.0, 0.0, True, None))
 
 
 def test_cuda_graph_training_step(device):
@@ -854,3 +853,25 @@ def test_out_dtype_is_checked(device):
     x = torch.randn(3, 5, device=device)
     with pytest.raises(ValueError, match="out_dtype must be None"):
         pintail.cross_entropy(x, torch.tensor([0, 1, 2], device=device), out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_z_loss_is_a_mean_over_kept_rows_whatever_the_weights(dtype, device):
+    """With class weights and reduction="mean", the z-loss term is z * mean(lse^2) over the
+    kept rows: scaling every class weight by 3 changes neither it nor the loss."""
+    M, V, z = 64, 500, 1e-3
+    x = (torch.randn(M, V, device=device) * 2).to(dtype)
+    target = class_targets(M, V, device, ignored=(1, 5))
+    weight = (torch.rand(V, device=device) * 2).to(dtype)
+    results = []
+    for scale in (1, 3):
+        leaf = x.detach().requires_grad_()
+        loss, z_term = pintail.cross_entropy(leaf, target, weight * scale, z_loss=z, return_z_loss=True)
+        (dx,) = torch.autograd.grad(loss, leaf)
+        results.append((loss, z_term, dx))
+    kept = target != -100
+    lse = torch.logsumexp(x.double(), 1)
+    assert_matches(results[0][1], z * (lse[kept] ** 2).mean())
+    for a, b in zip(results[0], results[1]):
+        assert_matches(a, b.double(), rtol=2 * RTOL[dtype])
+    check(x, target, weight=weight, z_loss=z)

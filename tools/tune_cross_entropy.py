@@ -60,7 +60,7 @@ def main():
         options = ((torch.rand(V, device="cuda") + 0.5).to(x.dtype) if "weight" in picked else None, -100,
                    0.1 if "smoothing" in picked else 0.0, 1e-4 if "z_loss" in picked else 0.0,
                    30.0 if "softcap" in picked else 0.0)
-        _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
+        _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, None, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, "backward", (x, x, target) if args.probs else (x, x))[1]
         block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
@@ -70,12 +70,12 @@ def main():
             for run, shift in ((1, False), (1, True), (2, False), (2, True)):
                 ce.ODD_VOCAB_SHIFT = shift
                 label = ("shift" if shift else "2-byte", run)
-                _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, "mean")
+                _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, None, "mean")
                 record(results, "fwd", V, label,
-                       lambda: ce._launch_forward(x, target, *options, args.probs, "mean"),
+                       lambda: ce._launch_forward(x, target, *options, args.probs, None, "mean"),
                        M * V * 2, copy_bw, None)
                 record(results, "bwd", V, label,
-                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, None, False,
                                             denominator),
                        2 * M * V * 2, copy_bw, None)
             ce.ODD_VOCAB_SHIFT = False
@@ -90,14 +90,14 @@ def main():
                 if pair:  # the one chunk, whatever the body
                     ce.FORWARD_BLOCKS, ce.FORWARD_WARPS = (pair[0],), pair[1]
                 record(results, "fwd", V, pair or default["fwd"],
-                       lambda: ce._launch_forward(x, target, *options, args.probs, "mean"),
+                       lambda: ce._launch_forward(x, target, *options, args.probs, None, "mean"),
                        tensors * M * V * 2, copy_bw, default["fwd"])
                 ce.FORWARD_BLOCKS, ce.FORWARD_WARPS = library_forward
             if "bwd" in directions:
                 if pair:  # the one block, whatever its fill
                     ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = (pair[0],), pair[1]
                 record(results, "bwd", V, pair or default["bwd"],
-                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, False,
+                       lambda: ce._backward(grad, x, target, options[0], stats, mass, *options[1:], args.probs, None, False,
                                             denominator),
                        (tensors + 1) * M * V * 2, copy_bw, default["bwd"])
                 ce.BACKWARD_BLOCKS, ce.BACKWARD_WARPS = library_blocks, library_warps

@@ -40,7 +40,7 @@ def _mass_rows(M, weight, smoothing, prob_target):
 REDUCE_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
-def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, reduction,
+def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, z_ratio, reduction,
                     out_dtype=None):
     """Per-row loss, (max, log-sum) pairs and mass (_mass_rows), float32, of x[M, V] (lse =
     max + log-sum); with reduction sum / mean also the reduced loss (0-d, out_dtype, default
@@ -67,7 +67,8 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
                target.stride(0), smoothing, z_scale, softcap, **common)
     else:
         launch(_forward_kernel, (M,), x, target, weights, weight_stride, loss, stats, mass, V, x.stride(0),
-               ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
+               ignore_index, smoothing, z_scale, softcap, z_ratio if z_ratio is not None else loss,
+               SMOOTH=smoothing > 0, Z_RATIO=z_ratio is not None, **common)
     if reduce:
         launch(_reduce_kernel, (1,), loss, target, w, out, denominator, M, V, ignore_index, REDUCE=reduce,
                HAS_WEIGHT=has_weight, PROB=prob_target, BLOCK=plans.REDUCE_BLOCK, num_warps=plans.REDUCE_WARPS)
@@ -75,19 +76,22 @@ def _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap
 
 
 def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
-             smoothing: float, z_scale: float, softcap: float, prob_target: bool
+             smoothing: float, z_scale: float, softcap: float, prob_target: bool, z_ratio: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss, (max, log-sum) pair and mass (_mass_rows), all float32, of x[M, V]:
-    lse = max + log-sum."""
+    lse = max + log-sum. z_ratio (0-d, or None for 1) multiplies z_scale: _Reduction.z_ratio."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
-        return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target)
-    return _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, "none")[:3]
+        return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing,
+                                            z_scale * z_ratio if z_ratio is not None else z_scale, softcap,
+                                            prob_target)
+    return _launch_forward(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, z_ratio,
+                           "none")[:3]
 
 
 def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
               stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float, z_scale: float,
-              softcap: float, prob_target: bool, inplace: bool, denominator: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              softcap: float, prob_target: bool, z_ratio: torch.Tensor | None, inplace: bool,
+              denominator: torch.Tensor | None = None) -> torch.Tensor:
     """dloss/dx[M, V] from the gradient of each row's loss (grad of shape (M,)), or from the
     gradient of their sum (a 0-d grad), or of their mean (0-d, with its denominator)."""
     M, V = x.shape
@@ -95,7 +99,8 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
         if denominator is not None:  # the eager reduction's 0-d gradient, as the kernel takes it
             grad = grad / denominator
         dx = reference.cross_entropy_rows_backward(grad.expand(x.shape[0]), x, target, weight, stats, ignore_index,
-                                                   smoothing, z_scale, softcap, prob_target)
+                                                   smoothing, z_scale * z_ratio if z_ratio is not None else z_scale,
+                                                   softcap, prob_target)
         return x.copy_(dx) if inplace else dx
     dx = x if inplace else torch.empty_like(x)
     if M == 0 or V == 0:
@@ -114,7 +119,8 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
                target.stride(0), dx.stride(0), grad_stride, smoothing, z_scale, softcap, **common)
     else:
         launch(_backward_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0), dx.stride(0),
-               grad_stride, ignore_index, smoothing, z_scale, softcap, SMOOTH=smoothing > 0, **common)
+               grad_stride, ignore_index, smoothing, z_scale, softcap, z_ratio if z_ratio is not None else stats,
+               SMOOTH=smoothing > 0, Z_RATIO=z_ratio is not None, **common)
     return dx
 
 
@@ -163,8 +169,18 @@ class _Reduction:
             elif self.weight is None:
                 self._denominator = kept.sum().to(dtype)
             else:
-                self._denominator = (self.weight.to(dtype)[torch.where(kept, target, 0).long()] * kept).sum()
+                safe = torch.where(kept, target, 0).long().clamp(0, self.weight.shape[0] - 1)  # bad rows: NaN anyway
+                self._denominator = (self.weight.to(dtype)[safe] * kept).sum()
         return self._denominator
+
+    def z_ratio(self, z_loss):
+        """What the z-loss factor is multiplied by so that the z-loss term is a mean over the kept
+        rows whatever the class weights' scale: (sum of the kept rows' weights / kept rows) for a
+        weighted mean of class-index targets (0-d, on the device: no host wait), else None (1)."""
+        if not (z_loss > 0 and self.reduction == "mean" and self.weight is not None and not self.prob_target):
+            return None
+        kept = (self.target != self.ignore_index).sum().to(self.dtype)
+        return self.denominator() / kept.clamp_min(1)
 
     def __call__(self, rows):
         if self.reduction == "none":
@@ -223,7 +239,7 @@ _forward_op = torch.library.custom_op("pintail::cross_entropy_forward", _forward
 
 
 @_forward_op.register_fake
-def _cross_entropy_forward_fake(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
+def _cross_entropy_forward_fake(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target, z_ratio):
     """Per row: loss (M,), (max, log-sum) (M, 2) and mass (_mass_rows); float32, float64 for
     float64 logits."""
     M, dtype = x.shape[0], torch.promote_types(x.dtype, torch.float32)
@@ -233,9 +249,10 @@ def _cross_entropy_forward_fake(x, target, weight, ignore_index, smoothing, z_sc
 
 def _backward_no_inplace(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                          stats: torch.Tensor, mass: torch.Tensor, ignore_index: int, smoothing: float,
-                         z_scale: float, softcap: float, prob_target: bool) -> torch.Tensor:
+                         z_scale: float, softcap: float, prob_target: bool, z_ratio: torch.Tensor | None
+                         ) -> torch.Tensor:
     return _backward(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap,
-                     prob_target, inplace=False)
+                     prob_target, z_ratio, inplace=False)
 
 
 _backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backward_no_inplace, mutates_args=())
@@ -243,7 +260,7 @@ _backward_op = torch.library.custom_op("pintail::cross_entropy_backward", _backw
 
 @_backward_op.register_fake
 def _cross_entropy_backward_fake(grad, x, target, weight, stats, mass, ignore_index, smoothing, z_scale, softcap,
-                                 prob_target):
+                                 prob_target, z_ratio):
     """dx: torch.empty_like of the (M, V) logits."""
     return torch.empty_like(x)
 
@@ -262,7 +279,7 @@ def _backward_of_op(ctx, grad, _stats, _mass):
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         dtarget, dweight = _probability_target_grads(grad, x, target, weight, stats, ctx.options[1], ctx.options[3],
                                                      *ctx.needs_input_grad[1:3])
-    return dx, dtarget, dweight, None, None, None, None, None
+    return dx, dtarget, dweight, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
@@ -383,8 +400,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     returns, in the input's dtype (computed in float32), or in out_dtype.
 
     Keyword-only extras:
-    - z_loss: adds z_loss * lse^2 for every kept row (lse: the row's log-sum-exp), reduced
-      with the loss (mean: by the same denominator).
+    - z_loss: adds z_loss * lse^2 for every kept row (lse: the row's log-sum-exp): each row's
+      term with reduction "none", their sum with "sum", their mean over the kept rows with
+      "mean", also where class weights make the loss a weighted mean (a per-token penalty, as
+      PaLM defines it: scaling every class weight leaves it unchanged).
     - softcap: logits become softcap * tanh(logits / softcap) first; the gradient goes through.
     - return_z_loss / return_lse: also return the z-loss term alone (reduced as the loss) and
       the float32 log-sum-exp of each row (target's shape), both without gradient, in that
@@ -435,10 +454,11 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                 target_check = _TargetCheck(t, C, ignore_index)
             else:
                 _check_target_values(t, C, ignore_index)
-    options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target)
     loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
     reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape,
                         torch.promote_types(input.dtype, torch.float32), loss_dtype)
+    z_ratio = reduce.z_ratio(z_loss)
+    options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target, z_ratio)
     # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
     try:
         loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
@@ -452,7 +472,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:
         kept = torch.ones_like(lse) if prob_target else (t != ignore_index).float()
-        outputs.append(reduce(z_loss * lse**2 * kept).to(loss_dtype))
+        z_rows = z_loss * lse**2 * kept * (z_ratio if z_ratio is not None else 1)
+        outputs.append(reduce(z_rows).to(loss_dtype))
     if return_lse:
         outputs.append(lse.reshape(batch_shape))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -40,6 +40,16 @@ def _weight_total(mass_ptr, row, V, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _z_scale(z_scale, z_ratio_ptr, Z_RATIO: tl.constexpr):
+    """The z-loss factor of a row: z, times the mean's (sum of the kept rows' class weights /
+    kept rows) where the loss is a weighted mean, so that the z-loss term is a mean over kept
+    rows whatever the weights' scale."""
+    if Z_RATIO:
+        z_scale = z_scale * tl.load(z_ratio_ptr)
+    return z_scale
+
+
+@triton.jit
 def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, ignore_index,
                    REDUCE: tl.constexpr, HAS_WEIGHT: tl.constexpr, PROB: tl.constexpr, BLOCK: tl.constexpr):
     # sum / mean of the M row losses, one program, in a fixed order (deterministic), and for
@@ -146,9 +156,9 @@ def _about_max(weighted_x, mass, running_max, anchor):
 
 @triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
-                    ignore_index, smoothing, z_scale, softcap, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
-                    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0,
-                    EVEN: tl.constexpr = False):
+                    ignore_index, smoothing, z_scale, softcap, z_ratio_ptr, HAS_WEIGHT: tl.constexpr,
+                    SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                    SHIFT: tl.constexpr = 0, EVEN: tl.constexpr = False, Z_RATIO: tl.constexpr = False):
     # One row: its (max, log-sum) in one pass (and, for smoothing, sum_j w_j (x_j - max) and,
     # with weights, W = sum_j w_j, stored in mass for the backward), then the loss. SHIFT
     # (rows whose starts no vector width divides): the chunks from the row's first boundary
@@ -198,6 +208,7 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stat
         w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
     else:
         w_t = 1.0
+    z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
     loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
     if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
         if HAS_WEIGHT:
@@ -281,9 +292,9 @@ def _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN: tl.constexpr):
 
 @triton.jit
 def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr, grad_ptr, denom_ptr, V,
-                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap,
+                     x_row_stride, dx_row_stride, grad_stride, ignore_index, smoothing, z_scale, softcap, z_ratio_ptr,
                      HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, MEAN: tl.constexpr,
-                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0):
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0, Z_RATIO: tl.constexpr = False):
     # One chunk of one row: read the logits again, write the gradient. SHIFT: the chunks as
     # in the forward (from 128-byte boundaries where they allow: VOCAB_BOUNDARY_BYTES); chunk
     # 0 also takes the classes outside the row's whole pieces. Everything a row shares is
@@ -311,7 +322,7 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr,
     else:
         w_t = 1.0
     # dloss/dx_k = g * (p_k * coef - hit [k == t] - spread * w_k)
-    coef = (1.0 - smoothing) * w_t + 2.0 * z_scale * (row_max + log_sum)
+    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
     if SMOOTH:
         coef += smoothing / V * _weight_total(mass_ptr, row, V, HAS_WEIGHT)
     coef, hit, spread = coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
