@@ -875,3 +875,12 @@ def test_z_loss_is_a_mean_over_kept_rows_whatever_the_weights(dtype, device):
     for a, b in zip(results[0], results[1]):
         assert_matches(a, b.double(), rtol=2 * RTOL[dtype])
     check(x, target, weight=weight, z_loss=z)
+
+
+def test_module_takes_out_dtype(device):
+    x = torch.randn(4, 30, device=device).to(torch.bfloat16)
+    target = torch.randint(0, 30, (4,), device=device)
+    loss = pintail.nn.CrossEntropyLoss(out_dtype=torch.float32, label_smoothing=0.1)(x, target)
+    assert loss.dtype == torch.float32
+    assert_matches(loss, F.cross_entropy(x.double(), target, label_smoothing=0.1),
+                   scale=torch.logsumexp(x.double(), 1).abs().max().item())

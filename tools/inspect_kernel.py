@@ -7,7 +7,6 @@ divisible by 16, as Triton specialises them at launch when they are.
 """
 
 import argparse
-import importlib
 import subprocess
 import os
 from collections import Counter

@@ -16,7 +16,6 @@ bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradien
 """
 
 import argparse
-import importlib
 import itertools
 
 import torch
