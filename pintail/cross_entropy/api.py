@@ -3,11 +3,17 @@
 import torch
 
 from .. import reference
-from .._core.launch import (KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative,
-                      runs_kernels)
-from .kernels import REDUCTIONS, _backward_kernel, _backward_probs_kernel, _forward_kernel, _forward_probs_kernel, _reduce_kernel, _target_check_kernel
+from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, runs_kernels
 from . import plans
-
+from .kernels import (
+    REDUCTIONS,
+    _backward_kernel,
+    _backward_probs_kernel,
+    _forward_kernel,
+    _forward_probs_kernel,
+    _reduce_kernel,
+    _target_check_kernel,
+)
 
 # --------------------------------------------------------------- tensor-level functions
 

@@ -4,9 +4,7 @@ import triton
 import triton.language as tl
 
 from .._core import cluster
-from .._core.launch import (aligned, in_row)
-
-
+from .._core.launch import aligned, in_row
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)

@@ -2,9 +2,7 @@
 
 
 from .._core import cluster
-from .._core.launch import (cdiv, next_power_of_2, row_alignment)
-
-
+from .._core.launch import cdiv, next_power_of_2, row_alignment
 
 # ------------------------------------------------------------------ launch heuristics
 # BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached

@@ -5,14 +5,36 @@ import torch
 
 from .. import reference
 from .._core import cluster, split
-from .._core.launch import (INTERPRET, KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative,
-                      packs_into_words, program_slots, row_alignment, runs_kernels,
-                      unit_stride, whole_tiles)
-
-from .kernels_forward import _forward_cluster_kernel, _forward_long_kernel, _forward_packed_kernel, _forward_rows_kernel, _forward_split_kernel
-from .kernels_backward import _backward_blocks_kernel, _backward_chunks_kernel, _backward_cluster_kernel, _backward_rows_kernel, _row_sums_kernel, _sum_partials_kernel
+from .._core.launch import (
+    INTERPRET,
+    KERNEL_DTYPES,
+    cdiv,
+    launch,
+    next_power_of_2,
+    no_second_derivative,
+    packs_into_words,
+    program_slots,
+    row_alignment,
+    runs_kernels,
+    unit_stride,
+    whole_tiles,
+)
 from . import plans
-
+from .kernels_backward import (
+    _backward_blocks_kernel,
+    _backward_chunks_kernel,
+    _backward_cluster_kernel,
+    _backward_rows_kernel,
+    _row_sums_kernel,
+    _sum_partials_kernel,
+)
+from .kernels_forward import (
+    _forward_cluster_kernel,
+    _forward_long_kernel,
+    _forward_packed_kernel,
+    _forward_rows_kernel,
+    _forward_split_kernel,
+)
 
 # --------------------------------------------------------------- tensor-level functions
 

@@ -5,10 +5,8 @@ import triton
 import triton.language as tl
 
 from .._core import cluster, split
-from .._core.launch import (aligned, in_row)
-
+from .._core.launch import aligned, in_row
 from .kernels_forward import _add_pairs, _pair_sums
-
 
 # ---------------------------------------------------------------------------- backward
 

@@ -5,10 +5,7 @@ import triton
 import triton.language as tl
 
 from .._core import cluster, split
-from .._core.launch import (INTERPRET, aligned, in_row, pack_pairs, unpack_pairs)
-
-
-
+from .._core.launch import INTERPRET, aligned, in_row, pack_pairs, unpack_pairs
 
 # ----------------------------------------------------------------------------- forward
 

@@ -2,10 +2,7 @@
 
 import math
 
-
-from .._core.launch import (next_power_of_2, rows_tail, widened_tail)
-
-
+from .._core.launch import next_power_of_2, rows_tail, widened_tail
 
 # ------------------------------------------------------------------ launch heuristics
 # The forward's plans per kind, by row length: (row length up to, plan, size, warps), where

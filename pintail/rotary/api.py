@@ -4,8 +4,8 @@ import torch
 
 from .. import reference
 from .._core.launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels, unit_stride
-from .kernels import _rotary_kernel
 from . import plans
+from .kernels import _rotary_kernel
 
 
 def _bsh_strides(t, seq_dim):

@@ -4,8 +4,6 @@ import triton
 import triton.language as tl
 
 
-
-
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, H, stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
                   b, tokens, token_mask, c1, c2, s1, s2, D, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,

@@ -4,12 +4,35 @@ import torch
 
 from .. import reference
 from .._core import cluster, split
-from .._core.launch import (KERNEL_DTYPES, as_rows,
-                      canonical_dim, cdiv, empty_like_rows, launch, multiprocessors, next_power_of_2,
-                      no_second_derivative, packs_into_words, row_alignment, runs_kernels,
-                      whole_tiles)
-from .kernels import _backward_cluster_kernel, _backward_own_row_kernel, _backward_row_shift_kernel, _backward_rows_kernel, _backward_split_kernel, _forward_cluster_kernel, _forward_packed_kernel, _forward_row_shift_kernel, _forward_rows_kernel, _forward_split_kernel, _forward_two_pass_kernel
+from .._core.launch import (
+    KERNEL_DTYPES,
+    as_rows,
+    canonical_dim,
+    cdiv,
+    empty_like_rows,
+    launch,
+    multiprocessors,
+    next_power_of_2,
+    no_second_derivative,
+    packs_into_words,
+    row_alignment,
+    runs_kernels,
+    whole_tiles,
+)
 from . import plans
+from .kernels import (
+    _backward_cluster_kernel,
+    _backward_own_row_kernel,
+    _backward_row_shift_kernel,
+    _backward_rows_kernel,
+    _backward_split_kernel,
+    _forward_cluster_kernel,
+    _forward_packed_kernel,
+    _forward_row_shift_kernel,
+    _forward_rows_kernel,
+    _forward_split_kernel,
+    _forward_two_pass_kernel,
+)
 
 
 def _launch_row_shift(kernel, M, N, cfg, *tensors, LOG):

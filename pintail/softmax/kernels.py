@@ -5,9 +5,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._core import cluster, split
-from .._core.launch import (INTERPRET, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, in_row, pack_pairs, unpack_pairs)
-
-
+from .._core.launch import INTERPRET, NEG_INF_BF16_PAIR, NEG_INF_FP16_PAIR, aligned, in_row, pack_pairs, unpack_pairs
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)    # log(x) = log2(x) * LN2

@@ -2,9 +2,7 @@
 
 
 from .._core import cluster
-from .._core.launch import (cdiv, next_power_of_2,
-                      rows_tail, widened_tail)
-
+from .._core.launch import cdiv, next_power_of_2, rows_tail, widened_tail
 
 # ------------------------------------------------------------------ launch heuristics
 # Measured on the H200, bf16, M*N = 2^27.
