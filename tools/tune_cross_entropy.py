@@ -28,7 +28,7 @@ ce = Op("cross_entropy")
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="32768,131072,262144")
-    p.add_argument("--out", default=".", help="unused (device_run.sh's ab mode passes it)")
+    p.add_argument("--out", default=".", help="unused (accepted so that A/B runners can pass it)")
     p.add_argument("--default-only", action="store_true", help="time the library's default configuration alone")
     p.add_argument("--odd-vocab-shift", action="store_true",
                    help="the default configuration with ce.ODD_VOCAB_SHIFT off and on, alternating, twice each")
