@@ -21,16 +21,34 @@ def softmax_backward(y, dy, dim, log, in_dtype):
     return dx.to(in_dtype)
 
 
+def _capped_logits(x, softcap):
+    """(x in float32 at least, softcapped if asked; tanh(x / softcap) or None)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if softcap <= 0:
+        return x, None
+    tanh = torch.tanh(x / softcap)
+    return softcap * tanh, tanh
+
+
+def _shift(row_max):
+    """What a row's logits are shifted by: its max, or 0 where every logit is -inf."""
+    return torch.where(row_max == -float("inf"), 0, row_max)[:, None]
+
+
+def _class_rows(target, ignore_index, V):
+    """(ignored rows, rows whose class index is in [0, V), a safe index for every row)."""
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    return ignored, in_range, torch.where(in_range & ~ignored, target, 0).long()
+
+
 def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, softcap, prob_target):
     """Per-row (loss, (max, log-sum) pairs, target mass) of logits x[M, V], as pintail's
     cross-entropy kernels produce them (see pintail/cross_entropy/__init__.py for the formulas)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    x = x.to(compute)
-    if softcap > 0:
-        x = softcap * torch.tanh(x / softcap)
-    V = x.shape[1]
+    x, _ = _capped_logits(x, softcap)
+    compute, V = x.dtype, x.shape[1]
     row_max = x.max(1).values if V else x.new_zeros(x.shape[0])
-    shifted = x - torch.where(row_max == -float("inf"), 0, row_max)[:, None]
+    shifted = x - _shift(row_max)
     log_sum = torch.logsumexp(shifted, dim=1)
     lse = row_max + log_sum
     stats = torch.stack([row_max, log_sum], 1)
@@ -39,12 +57,10 @@ def cross_entropy_rows(x, target, weight, ignore_index, smoothing, z_scale, soft
     if prob_target:
         y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
         return -torch.where(y != 0, y * logp, 0).sum(1) + z_scale * lse**2, stats, y.sum(1)
-    ignored = target == ignore_index
-    in_range = (target >= 0) & (target < V)
+    ignored, in_range, safe = _class_rows(target, ignore_index, V)
     if V == 0:  # no class: every kept row's target is out of range
         loss = torch.where(ignored, 0.0, torch.full_like(lse, float("nan")))
         return loss, stats, x.new_empty(0)
-    safe = torch.where(in_range & ~ignored, target, 0).long()
     loss = -(1 - smoothing) * w[safe] * logp.gather(1, safe[:, None])[:, 0] + z_scale * lse**2
     if smoothing > 0:
         loss = loss - smoothing / V * torch.where(w != 0, logp * w, 0).sum(1)  # 0 * log 0 = 0, as the kernels
@@ -59,33 +75,28 @@ def cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index, sm
                                 prob_target):
     """dloss/dx of cross_entropy_rows, given the gradient of each row's loss, by the formulas
     of pintail/cross_entropy/__init__.py (plain tensor math: a custom op may not run autograd inside)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
     M, V = x.shape
     if V == 0:
         return x.new_empty(M, 0)
-    xc = x.to(compute)
-    if softcap > 0:
-        tanh = torch.tanh(xc / softcap)
-        xc = softcap * tanh
+    xc, tanh = _capped_logits(x, softcap)
+    compute = xc.dtype
     stats = stats.to(compute)
     row_max, log_sum = stats[:, 0], stats[:, 1]
     lse = row_max + log_sum
-    p = torch.exp((xc - torch.where(row_max == -float("inf"), 0, row_max)[:, None]) - log_sum[:, None])  # x - max exact
+    p = torch.exp((xc - _shift(row_max)) - log_sum[:, None])  # x - max exact
     w = weight.to(compute) if weight is not None else torch.ones(V, dtype=compute, device=x.device)
     if prob_target:
         y = ((1 - smoothing) * target.to(compute) + smoothing / V) * w
         dx = p * (y.sum(1) + 2 * z_scale * lse)[:, None] - y
     else:
-        ignored = target == ignore_index
-        in_range = (target >= 0) & (target < V)
-        safe = torch.where(in_range & ~ignored, target, 0).long()
+        ignored, in_range, safe = _class_rows(target, ignore_index, V)
         w_t = (1 - smoothing) * w[safe]
         dx = p * (w_t + smoothing / V * w.sum() + 2 * z_scale * lse)[:, None]
         if smoothing > 0:
             dx = dx - smoothing / V * w
         dx = dx.scatter_add(1, safe[:, None], -w_t[:, None].expand(M, 1))
     dx = dx * grad.to(compute)[:, None]
-    if softcap > 0:
+    if tanh is not None:
         dx = dx * (1 - tanh * tanh)
     if not prob_target:  # ignored rows: 0, NaN only where their softmax is (whatever the upstream)
         dx = torch.where(ignored[:, None], p * 0, dx)
@@ -121,7 +132,7 @@ def rotary(x, cos, sin, positions, seq_dim, seq_offset, rotary_dim, interleaved,
 
 
 def norm_forward(x, residual, weight, bias, eps, weight_offset, rms, out_dtype):
-    """(y, h, mean, rstd) of pintail/norm/plans.py in torch, for rows x[M, N]."""
+    """(y, h, mean, rstd) of pintail.norm's kernels in torch, for rows x[M, N]."""
     h = x + residual if residual is not None else x.new_empty(0, x.shape[1], dtype=out_dtype)  # fresh, not a view
     held = h if residual is not None else x
     v = held.to(torch.promote_types(held.dtype, torch.float32))

@@ -102,9 +102,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     gradient of their sum (a 0-d grad), or of their mean (0-d, with its denominator)."""
     M, V = x.shape
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
-        if denominator is not None:  # the eager reduction's 0-d gradient, as the kernel takes it
-            grad = grad / denominator
-        dx = reference.cross_entropy_rows_backward(grad.expand(x.shape[0]), x, target, weight, stats, ignore_index,
+        dx = reference.cross_entropy_rows_backward(grad, x, target, weight, stats, ignore_index,
                                                    smoothing, z_scale * z_ratio if z_ratio is not None else z_scale,
                                                    softcap, prob_target)
         return x.copy_(dx) if inplace else dx
