@@ -162,3 +162,64 @@ def norm_backward(dy, dh, x, weight, has_bias, mean, rstd, weight_offset, rms, x
     dw = (dy * x_hat).sum(0) if weight is not None else None
     db = dy.sum(0) if has_bias else None
     return dx.to(x_dtype), dw, db
+
+
+def linear_cross_entropy_fold(chunk, first_class, V, target, weight, weight_total, state, loss, stats, ignore_index,
+                              smoothing, z_scale, softcap, first, last):
+    """linear_cross_entropy's fold kernel in torch: the logits of classes first_class ... of
+    every row (chunk) folded into its running state (max, sum of exp(x - max), 0, sum_j v_j
+    x_j, target logit; v the class weights for smoothing, else 1); the last chunk writes each
+    row's loss and (max, log-sum) pair instead (cross_entropy_rows' formulas)."""
+    x, _ = _capped_logits(chunk, softcap)
+    x = x.to(state.dtype)
+    n = x.shape[1]
+    if first:
+        state[:, 0], state[:, 1:] = -float("inf"), 0
+    running_max, running_sum = state[:, 0], state[:, 1]
+    new_max = torch.maximum(running_max, x.max(1).values)
+    shift = _shift(new_max)
+    running_sum = running_sum * torch.exp(running_max - shift[:, 0]) + torch.exp(x - shift).sum(1)
+    v = weight[first_class:first_class + n].to(x.dtype) if weight is not None else torch.ones_like(x[0])
+    weighted = state[:, 3] + torch.where(v != 0, v * x, 0).sum(1)
+    at = target.long() - first_class
+    hit = (at >= 0) & (at < n)
+    target_x = torch.where(hit, x.gather(1, torch.where(hit, at, 0)[:, None])[:, 0], state[:, 4])
+    if not last:
+        state[:, 0], state[:, 1], state[:, 3], state[:, 4] = new_max, running_sum, weighted, target_x
+        return
+    log_sum = torch.log(running_sum)
+    lse = new_max + log_sum
+    ignored, in_range, safe = _class_rows(target, ignore_index, V)
+    w_t = weight.to(x.dtype)[safe] if weight is not None else 1.0
+    rows = (1 - smoothing) * w_t * ((new_max - target_x) + log_sum) + z_scale * lse**2
+    if smoothing > 0:
+        total = weight_total if weight_total is not None else V
+        rows = rows + smoothing / V * (total * lse - weighted)
+    rows = torch.where(ignored, 0.0, rows)
+    loss.copy_(torch.where(in_range | ignored, rows, float("nan")))
+    stats.copy_(torch.stack([new_max, log_sum], 1))
+
+
+def linear_cross_entropy_chunk_gradient(chunk, first_class, V, target, weight, weight_total, stats, grad,
+                                        ignore_index, smoothing, z_scale, softcap):
+    """The gradient of each row's loss, times grad[row], with respect to the logits of classes
+    first_class ... (chunk), in chunk's dtype (cross_entropy_rows_backward over a chunk)."""
+    xc, tanh = _capped_logits(chunk, softcap)
+    xc = xc.to(stats.dtype)
+    M, n = xc.shape
+    row_max, log_sum = stats[:, 0], stats[:, 1]
+    p = torch.exp((xc - _shift(row_max)) - log_sum[:, None])
+    ignored, in_range, safe = _class_rows(target, ignore_index, V)
+    w_t = (1 - smoothing) * (weight.to(xc.dtype)[safe] if weight is not None else torch.ones_like(row_max))
+    total = weight_total if weight_total is not None else V
+    d = p * (w_t + smoothing / V * total + 2 * z_scale * (row_max + log_sum))[:, None]
+    if smoothing > 0:
+        d = d - smoothing / V * (weight[first_class:first_class + n].to(xc.dtype) if weight is not None else 1.0)
+    at = safe - first_class
+    hit = (at >= 0) & (at < n)
+    d = d.scatter_add(1, torch.where(hit, at, 0)[:, None], -(w_t * hit)[:, None])
+    d = d * grad.to(xc.dtype)[:, None]
+    if tanh is not None:
+        d = d * (1 - tanh.to(xc.dtype) ** 2)
+    d = torch.where(ignored[:, None], p * 0, d)
+    return torch.where((in_range | ignored)[:, None], d, float("nan")).to(chunk.dtype)

@@ -348,13 +348,13 @@ def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_lo
     return prob_target
 
 
-def _check_target_values(target, C, ignore_index):
-    """Raise on a class index outside [0, C) that is not ignore_index. This reads the
-    targets on the host: one synchronisation."""
+def _check_target_values(target, C, ignore_index, name="pintail.cross_entropy"):
+    """Raise on a class index outside [0, C) that is not ignore_index, naming the function
+    `name`. This reads the targets on the host: one synchronisation."""
     bad = (target != ignore_index) & ((target < 0) | (target >= C))
     if bad.any():
         position = int(bad.nonzero()[0, 0])
-        raise IndexError(f"pintail.cross_entropy: target[{position}] = {int(target[position])} is out of "
+        raise IndexError(f"{name}: target[{position}] = {int(target[position])} is out of "
                          f"bounds: expected a class index in [0, {C}) or ignore_index ({ignore_index})")
 
 
@@ -365,8 +365,8 @@ class _TargetCheck:
     target is bad, names it. On a GPU the kernel writes the count straight into pinned host
     memory (mapped into the GPU's address space), so no copy follows it on the stream."""
 
-    def __init__(self, target, C, ignore_index):
-        self.target, self.C, self.ignore_index = target, C, ignore_index
+    def __init__(self, target, C, ignore_index, name="pintail.cross_entropy"):
+        self.target, self.C, self.ignore_index, self.name = target, C, ignore_index, name
         if target.is_cuda:
             self.count = torch.empty(1, dtype=torch.int32, pin_memory=True)
         else:
@@ -390,7 +390,7 @@ class _TargetCheck:
 
     def finish(self):
         if self.bad_targets():
-            _check_target_values(self.target, self.C, self.ignore_index)
+            _check_target_values(self.target, self.C, self.ignore_index, self.name)
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,

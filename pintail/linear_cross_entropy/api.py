@@ -1,0 +1,367 @@
+"""linear_cross_entropy: argument checks, the chunk loops, the torch.library ops and autograd."""
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from .._core.launch import KERNEL_DTYPES, cdiv, launch, no_second_derivative, row_alignment, runs_kernels
+from ..cross_entropy import cross_entropy
+from ..cross_entropy import plans as cross_entropy_plans
+from ..cross_entropy.api import _check_target_values, _Reduction, _TargetCheck
+from ..cross_entropy.kernels import REDUCTIONS
+from . import plans
+from .kernels import STATE_COLUMNS, _fold_kernel, _gradient_kernel
+
+NAME = "pintail.linear_cross_entropy"
+
+
+def _on_kernels(x):
+    return runs_kernels(x) and x.dtype in KERNEL_DTYPES
+
+
+def _accumulates(x, need_input):
+    """Whether dx is summed over the chunks in a float32 accumulator (16-bit inputs)."""
+    return need_input and x.element_size() < 4
+
+
+def _chunks(x, linear_weight, linear_bias, columns):
+    """(first class, past-last class, logits) of each chunk of `columns` classes in turn, the
+    logits x W[chunk]^T + b[chunk] written into one buffer that every chunk reuses."""
+    M, V = x.shape[0], linear_weight.shape[0]
+    buffer = torch.empty(M, plans.buffer_columns(columns), dtype=x.dtype, device=x.device)
+    for start in range(0, V, columns):
+        stop = min(start + columns, V)
+        logits = buffer[:, :stop - start]
+        head = linear_weight[start:stop].t()
+        if linear_bias is None:
+            torch.mm(x, head, out=logits)
+        else:
+            torch.addmm(linear_bias[start:stop], x, head, out=logits)
+        yield start, stop, logits
+
+
+def _weight_total(weight, smoothing, dtype):
+    """sum(weight) (0-d, on the device), which smoothing spreads over; None where not read."""
+    return weight.sum(dtype=dtype) if weight is not None and smoothing > 0 else None
+
+
+def _fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, first, last):
+    """Fold a chunk's logits into each row's state; the last chunk writes loss and stats."""
+    ignore_index, smoothing, z_scale, softcap, z_ratio = options
+    if not _on_kernels(logits):
+        z = z_scale * z_ratio if z_ratio is not None else z_scale
+        reference.linear_cross_entropy_fold(logits, start, V, target, weight, weight_total, state, loss, stats,
+                                            ignore_index, smoothing, z, softcap, first, last)
+        return
+    n = logits.shape[1]
+    placeholder = state
+    launch(_fold_kernel, (logits.shape[0],), logits, logits.stride(0), n, start, V, target,
+           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
+           state, loss, stats, z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing, z_scale,
+           softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0, FIRST=first, LAST=last,
+           Z_RATIO=z_ratio is not None, BLOCK=min(plans.FOLD_BLOCK, max(16, 1 << (n - 1).bit_length())),
+           ALIGN=row_alignment(n, logits.stride(0)), num_warps=plans.FOLD_WARPS)
+
+
+def _gradient(logits, start, V, target, weight, weight_total, stats, grad, options):
+    """Overwrite a chunk's logits with the gradient of the row losses (times grad) there."""
+    ignore_index, smoothing, z_scale, softcap, z_ratio = options
+    if not _on_kernels(logits):
+        z = z_scale * z_ratio if z_ratio is not None else z_scale
+        logits.copy_(reference.linear_cross_entropy_chunk_gradient(
+            logits, start, V, target, weight, weight_total, stats, grad, ignore_index, smoothing, z, softcap))
+        return
+    M, n = logits.shape
+    heavy = cross_entropy_plans._heavy_body(weight, smoothing, softcap)
+    block, blocks = cross_entropy_plans._backward_chunks(n, 0, heavy)
+    placeholder = stats
+    launch(_gradient_kernel, (M, blocks), logits, logits.stride(0), n, start, V, target,
+           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
+           stats, grad, grad.stride(0), z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing,
+           z_scale, softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0,
+           Z_RATIO=z_ratio is not None, BLOCK=block, ALIGN=row_alignment(n, logits.stride(0)),
+           num_warps=plans.GRADIENT_WARPS)
+
+
+def _add_product(accumulator, a, b):
+    """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b)."""
+    if accumulator.dtype == a.dtype:
+        accumulator.addmm_(a, b)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+    else:
+        accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+
+
+# --------------------------------------------------------------- tensor-level functions
+
+
+def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
+             weight: torch.Tensor | None, ignore_index: int, smoothing: float, z_scale: float, softcap: float,
+             z_ratio: torch.Tensor | None, memory_budget: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and (max, log-sum) pairs of the logits x W^T + b (float32; float64 for
+    float64 x), chunk by chunk over the vocabulary: no (M, V) tensor."""
+    M, K = x.shape
+    V = linear_weight.shape[0]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    loss = x.new_empty(M, dtype=compute)
+    stats = x.new_empty(M, 2, dtype=compute)
+    if M == 0:
+        return loss, stats
+    columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates=False)
+    state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
+    weight_total = _weight_total(weight, smoothing, compute)
+    options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
+    for start, stop, logits in _chunks(x, linear_weight, linear_bias, columns):
+        _fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, start == 0, stop == V)
+    return loss, stats
+
+
+def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None,
+              target: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, ignore_index: int,
+              smoothing: float, z_scale: float, softcap: float, z_ratio: torch.Tensor | None,
+              memory_budget: int | None, need_input: bool, need_weight: bool, need_bias: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db) from the gradient of each row's loss (grad, shape (M,)), the logits
+    recomputed chunk by chunk and their gradient written over them; a gradient not asked for
+    is an empty tensor. dW's rows of a chunk come from one GEMM (summed in float32 by it); dx
+    is summed over the chunks in float32 for 16-bit x."""
+    M, K = x.shape
+    V = linear_weight.shape[0]
+    need_bias = need_bias and linear_bias is not None
+    accumulates = _accumulates(x, need_input)
+    columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates)
+    accumulates = accumulates and columns < V
+    dx = x.new_zeros(M, K, dtype=torch.float32 if accumulates else x.dtype) if need_input else x.new_empty(0)
+    dW = torch.empty_like(linear_weight) if need_weight else x.new_empty(0)
+    db = torch.empty_like(linear_bias) if need_bias else x.new_empty(0)
+    if M == 0:
+        dW.zero_(), db.zero_()
+        return dx.to(x.dtype), dW, db
+    if not (need_input or need_weight or need_bias):
+        return dx, dW, db
+    weight_total = _weight_total(weight, smoothing, stats.dtype)
+    options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
+    grad = grad.to(stats.dtype).expand(M)
+    for start, stop, logits in _chunks(x, linear_weight, linear_bias, columns):
+        _gradient(logits, start, V, target, weight, weight_total, stats, grad, options)
+        if need_input:
+            _add_product(dx, logits, linear_weight[start:stop])
+        if need_weight:
+            torch.mm(logits.t(), x, out=dW[start:stop])
+        if need_bias:
+            db[start:stop] = logits.sum(0, dtype=stats.dtype)
+    return dx.to(x.dtype), dW, db
+
+
+# ------------------------------------------------------------- torch.library and autograd
+# One path, eager and compiled: a call's host time is small beside its GEMMs.
+
+_forward_op = torch.library.custom_op("pintail::linear_cross_entropy_forward", _forward, mutates_args=())
+
+
+@_forward_op.register_fake
+def _linear_cross_entropy_forward_fake(x, linear_weight, linear_bias, target, weight, ignore_index, smoothing,
+                                       z_scale, softcap, z_ratio, memory_budget):
+    """Per row: loss (M,) and (max, log-sum) (M, 2); float32, float64 for float64 x."""
+    M, dtype = x.shape[0], torch.promote_types(x.dtype, torch.float32)
+    return x.new_empty(M, dtype=dtype), x.new_empty(M, 2, dtype=dtype)
+
+
+_backward_op = torch.library.custom_op("pintail::linear_cross_entropy_backward", _backward, mutates_args=())
+
+
+@_backward_op.register_fake
+def _linear_cross_entropy_backward_fake(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index,
+                                        smoothing, z_scale, softcap, z_ratio, memory_budget, need_input,
+                                        need_weight, need_bias):
+    """dx, dW, db like x, linear_weight and linear_bias, or empty where not asked for."""
+    need_bias = need_bias and linear_bias is not None
+    return (torch.empty_like(x) if need_input else x.new_empty(0),
+            torch.empty_like(linear_weight) if need_weight else x.new_empty(0),
+            torch.empty_like(linear_bias) if need_bias else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, linear_weight, linear_bias, target, weight, *options = inputs
+    ctx.save_for_backward(x, linear_weight, linear_bias, target, weight, output[1], options[4])
+    ctx.options = (options[0], options[1], options[2], options[3])
+    ctx.memory_budget = options[5]
+
+
+def _backward_of_op(ctx, grad, _stats):
+    x, linear_weight, linear_bias, target, weight, stats, z_ratio = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dW, db = _backward_op(grad, x, linear_weight, linear_bias, target, weight, stats, *ctx.options, z_ratio,
+                              ctx.memory_budget, need[0], need[1], need[2] and linear_bias is not None)
+    grads = (dx if need[0] else None, dW if need[1] else None, db if need[2] and linear_bias is not None else None)
+    return (*no_second_derivative(grads, x, linear_weight, linear_bias, grad), None, None, None, None, None,
+            None, None, None)
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def _check(input, linear_weight, target, linear_bias, weight, reduction, label_smoothing, z_loss, softcap, out_dtype):
+    """Validate the arguments as torch does (input (*, K), class-index target (*) or
+    probabilities (*, V)); returns whether targets are probabilities."""
+    for arg, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{NAME}: {arg} must be a tensor, got {type(value).__name__}")
+    if not input.dtype.is_floating_point or input.dim() == 0:
+        raise ValueError(f"{NAME}: input must be a floating point tensor of shape (*, hidden), got "
+                         f"{input.dtype} of shape {tuple(input.shape)}")
+    if linear_weight.dim() != 2 or linear_weight.shape[0] == 0:
+        raise ValueError(f"{NAME}: linear_weight must have shape (classes, hidden) with at least one class, got "
+                         f"{tuple(linear_weight.shape)}")
+    V, K = linear_weight.shape
+    if input.shape[-1] != K:
+        raise ValueError(f"{NAME}: input's hidden size {input.shape[-1]} (its last dim) differs from "
+                         f"linear_weight's {K} (shape {tuple(linear_weight.shape)})")
+    for arg, value in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+        if value is None:
+            continue
+        if value.device != input.device:
+            raise ValueError(f"{NAME}: {arg} is on {value.device}, expected input's device {input.device}")
+        if value.dtype != input.dtype:
+            raise TypeError(f"{NAME}: {arg} has dtype {value.dtype}, expected input's dtype {input.dtype}")
+    if linear_bias is not None and tuple(linear_bias.shape) != (V,):
+        raise ValueError(f"{NAME}: linear_bias must have shape ({V},), got {tuple(linear_bias.shape)}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (V,):
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{NAME}: weight must have shape ({V},), one per class, got {shape}")
+        if weight.device != input.device:
+            raise ValueError(f"{NAME}: weight is on {weight.device}, expected input's device {input.device}")
+        if not weight.dtype.is_floating_point:
+            raise TypeError(f"{NAME}: weight must be floating point, got dtype {weight.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{NAME}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{NAME}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"{NAME}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{NAME}: softcap must be None or > 0, got {softcap}")
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"{NAME}: out_dtype must be None (the input's dtype) or torch.float32, got {out_dtype}")
+    if target.device != input.device:
+        raise ValueError(f"{NAME}: target is on {target.device}, expected input's device {input.device}")
+    if target.dtype.is_floating_point:
+        expected = (*input.shape[:-1], V)
+        if tuple(target.shape) != expected:
+            raise ValueError(f"{NAME}: probability targets must have shape {expected} (input's leading shape, "
+                             f"classes), got {tuple(target.shape)}")
+        return True
+    if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+        raise TypeError(f"{NAME}: class-index targets must be int64, int32 or uint8, got {target.dtype}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"{NAME}: target must have input's leading shape {tuple(input.shape[:-1])} for input of "
+                         f"shape {tuple(input.shape)}, got {tuple(target.shape)}")
+    return False
+
+
+def _check_budget(memory_budget, M, V, K, x, needs_input_grad):
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+        raise TypeError(f"{NAME}: memory_budget must be None or an int (bytes), got {memory_budget!r}")
+    least = plans.minimum_budget(M, V, K, x.element_size(), _accumulates(x, needs_input_grad))
+    if memory_budget < least:
+        raise ValueError(f"{NAME}: memory_budget={memory_budget} bytes is below the least this call needs, {least} "
+                         f"bytes ({M} rows x {plans.MIN_CHUNK_COLUMNS} classes of logits, and a float32 (rows, "
+                         f"hidden) sum of the input's gradient where it is 16-bit)")
+
+
+def _autocast(input, linear_weight, linear_bias):
+    """The inputs in autocast's dtype where autocast is on for their device, as F.linear."""
+    device = input.device.type
+    if not torch.is_autocast_enabled(device):
+        return input, linear_weight, linear_bias
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
+                 for t in (input, linear_weight, linear_bias))
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, return_lse=False,
+                         memory_budget=None, check_target=True, out_dtype=None):
+    """cross_entropy(linear(input, linear_weight, linear_bias), target, ...) without the logits.
+
+    What torch.nn.functional.linear_cross_entropy returns (ignore_index=None means -100, as
+    there), value and gradients of input, linear_weight and linear_bias, computed chunk by
+    chunk over the vocabulary: a log-sum-exp pass over the chunks in the forward, and in
+    the backward each chunk's logits again, their gradient written over them, then dx and
+    that chunk's rows of dW from it. Exact: no gradient is skipped or approximated.
+
+    - input (*, hidden) with class-index target (*) (int64, int32 or uint8), as a model
+      gives them, e.g. (batch, seq, hidden) and (batch, seq); reduction="none" returns (*).
+      (torch takes the classes of an input of 3 or more dims from dim 1 of the logits.)
+    - linear_weight (classes, hidden), linear_bias (classes,), in input's dtype and device;
+      under autocast the three are cast to autocast's dtype first, as F.linear does.
+    - weight, reduction, ignore_index, label_smoothing as F.cross_entropy; z_loss, softcap
+      and out_dtype as pintail.cross_entropy; return_lse also returns each row's float32
+      log-sum-exp (shape (*)).
+    - memory_budget: bytes of workspace (one chunk of logits in input's dtype, and the
+      float32 (rows, hidden) sum of dx for 16-bit inputs): the widest chunks that fit.
+      None: chunks of about 1/32 of the vocabulary. A budget that holds the whole logits
+      runs them as one chunk. Below the least workspace a call needs: ValueError.
+    - check_target: an out-of-range class index raises IndexError in eager mode (a host
+      wait for one small kernel); without the check, under torch.compile and in CUDA graph
+      capture, its row's loss and gradient are NaN and nothing is read out of bounds.
+    - Probability targets (floating point, shape (*, classes)) give torch's result through
+      pintail.cross_entropy on the whole logits (held in memory).
+    Gradients are computed only for the tensors that require them (a frozen head costs no
+    dW GEMM). A second derivative raises.
+    """
+    ignore_index = -100 if ignore_index is None else ignore_index
+    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
+    prob_target = _check(input, linear_weight, target, linear_bias, weight, reduction, label_smoothing, z_loss,
+                         softcap, out_dtype)
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled() and not prob_target:
+        raise RuntimeError(f"{NAME}: not differentiable with respect to weight for class-index targets (as torch's "
+                           f"nll_loss); pass a weight that does not require grad")
+    V, K = linear_weight.shape
+    batch_shape = input.shape[:-1]
+    if prob_target:
+        logits = F.linear(input, linear_weight, linear_bias).reshape(-1, V)
+        result = cross_entropy(logits, target.reshape(-1, V), weight, ignore_index, reduction, label_smoothing,
+                               z_loss=z_loss, softcap=softcap, return_lse=return_lse, out_dtype=out_dtype)
+        if reduction != "none" and not return_lse:
+            return result
+        outputs = list(result) if return_lse else [result]
+        outputs = [o.reshape(batch_shape) if o.dim() else o for o in outputs]
+        return tuple(outputs) if return_lse else outputs[0]
+    x = input.reshape(-1, K)
+    M = x.shape[0]
+    _check_budget(memory_budget, M, V, K, x, input.requires_grad and torch.is_grad_enabled())
+    t = target.reshape(-1).contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    target_check = None
+    tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
+    if check_target and not tracing and M > 0:
+        if _on_kernels(x):
+            target_check = _TargetCheck(t, V, ignore_index, NAME)
+        else:
+            _check_target_values(t, V, ignore_index, NAME)
+    compute = torch.promote_types(input.dtype, torch.float32)
+    loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
+    reduce = _Reduction(reduction, t, weight, ignore_index, False, batch_shape, compute, loss_dtype)
+    z_ratio = reduce.z_ratio(z_loss)
+    softcap = 0.0 if softcap is None else float(softcap)
+    try:
+        rows, stats = _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, ignore_index,
+                                  float(label_smoothing), float(z_loss), softcap, z_ratio, memory_budget)
+    except BaseException:
+        if target_check is not None:
+            target_check.wait()
+        raise
+    if target_check is not None:
+        target_check.finish()
+    loss = reduce(rows).to(loss_dtype)
+    if return_lse:
+        return loss, stats.detach().sum(1).reshape(batch_shape).float()
+    return loss

@@ -1,0 +1,117 @@
+"""The linear_cross_entropy Triton kernels: the cross-entropy math over one vocabulary chunk
+of the logits, between the GEMM that writes the chunk and the GEMMs that read its gradient."""
+
+import triton
+import triton.language as tl
+
+from .._core.launch import aligned
+from ..cross_entropy.kernels import (
+    LN2,
+    _about_max,
+    _class_gradient,
+    _class_weights,
+    _fold_chunk,
+    _logits,
+    _softcapped,
+    _weight_total,
+    _z_scale,
+)
+
+# Columns of the running state a row carries from chunk to chunk (float32): the max, the sum
+# of exp(x - max), the smoothing sum's anchor, sum_j v_j (x_j - anchor), the target's logit.
+STATE_COLUMNS = 5
+
+
+@triton.jit
+def _fold_kernel(x_ptr, x_row_stride, n, first_class, V, target_ptr, weight_ptr, weight_total_ptr, state_ptr,
+                 loss_ptr, stats_ptr, z_ratio_ptr, ignore_index, smoothing, z_scale, softcap,
+                 HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, FIRST: tl.constexpr,
+                 LAST: tl.constexpr, Z_RATIO: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    # One row of one chunk: the chunk's n logits (classes first_class ...) folded into the
+    # row's running state (cross_entropy's online log-sum-exp, one exp an element); the last
+    # chunk turns the state into the row's loss and (max, log-sum), as cross_entropy's forward.
+    n, x_row_stride = aligned(n, ALIGN), aligned(x_row_stride, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    state = state_ptr + row * 5
+    if FIRST:
+        running_max, running_sum, anchor, weighted_x, target_x = -float("inf"), 0.0, 0.0, 0.0, 0.0
+    else:
+        running_max, running_sum = tl.load(state), tl.load(state + 1)
+        anchor, weighted_x, target_x = tl.load(state + 2), tl.load(state + 3), tl.load(state + 4)
+    weights = weight_ptr + first_class
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n
+        x = _logits(x_row, cols, mask, softcap, SOFTCAP)
+        v = _class_weights(weights, cols, mask, HAS_WEIGHT and SMOOTH)
+        running_max, running_sum, anchor, weighted_x, _ = _fold_chunk(
+            x, v, running_max, running_sum, anchor, weighted_x, 0.0, SMOOTH, HAS_WEIGHT, False)
+    t = tl.load(target_ptr + row).to(tl.int64)
+    at = t - first_class
+    hit = (at >= 0) & (at < n)
+    x_t = tl.load(x_row + at, mask=hit, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        x_t = _softcapped(x_t, softcap)
+    target_x = tl.where(hit, x_t, target_x)
+    if LAST:
+        log_sum = tl.log2(running_sum) * LN2
+        lse = running_max + log_sum
+        ignored = t == ignore_index
+        in_range = (t >= 0) & (t < V)
+        if HAS_WEIGHT:
+            w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+        else:
+            w_t = 1.0
+        z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
+        loss = (1.0 - smoothing) * w_t * ((running_max - target_x) + log_sum) + z_scale * lse * lse
+        if SMOOTH:  # W lse - sum_j w_j x_j, over the whole vocabulary
+            weight_total = _weight_total(weight_total_ptr, 0, V, HAS_WEIGHT)
+            loss += smoothing / V * (weight_total * log_sum
+                                     - _about_max(weighted_x, weight_total, running_max, anchor))
+        loss = tl.where(ignored, 0.0, loss)
+        loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
+        tl.store(loss_ptr + row, loss)
+        tl.store(stats_ptr + 2 * row, running_max)
+        tl.store(stats_ptr + 2 * row + 1, log_sum)
+    else:
+        tl.store(state, running_max)
+        tl.store(state + 1, running_sum)
+        tl.store(state + 2, anchor)
+        tl.store(state + 3, weighted_x)
+        tl.store(state + 4, target_x)
+
+
+@triton.jit
+def _gradient_kernel(x_ptr, x_row_stride, n, first_class, V, target_ptr, weight_ptr, weight_total_ptr, stats_ptr,
+                     grad_ptr, grad_stride, z_ratio_ptr, ignore_index, smoothing, z_scale, softcap,
+                     HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, Z_RATIO: tl.constexpr,
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    # One block of one row of one chunk: the gradient of the row's loss (times grad[row])
+    # with respect to the chunk's logits, written over them (the GEMMs read it next).
+    n, x_row_stride = aligned(n, ALIGN), aligned(x_row_stride, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = at < n
+    t = tl.load(target_ptr + row).to(tl.int64)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    target_at = tl.where(in_range, t - first_class, -1).to(tl.int32)  # outside the chunk: no class of it
+    target_at = tl.where((target_at >= 0) & (target_at < n), target_at, -1)
+    row_max = tl.load(stats_ptr + 2 * row)
+    log_sum = tl.load(stats_ptr + 2 * row + 1)
+    g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+    g = tl.where(ignored, 0.0, tl.where(in_range, g, float("nan")))
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
+    if SMOOTH:
+        coef += smoothing / V * _weight_total(weight_total_ptr, 0, V, HAS_WEIGHT)
+    coef, hit, spread = coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
+    x_row = x_ptr + row * x_row_stride
+    x = tl.load(x_row + at, mask=mask, other=0.0).to(tl.float32)
+    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap,
+                        weight_ptr + first_class, HAS_WEIGHT, SMOOTH, SOFTCAP)
+    tl.store(x_row + at, d.to(x_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,56 @@
+"""Plans of linear_cross_entropy: how wide a vocabulary chunk a memory budget allows."""
+
+from .._core.launch import cdiv
+
+# The default workspace holds about 1/32 of the logits (BENCHMARKS.md's goal: 3 % of the
+# bf16 logits), in chunks no narrower than MIN_CHUNK_COLUMNS.
+DEFAULT_LOGITS_FRACTION = 32
+# Chunk widths are whole multiples of this (GEMM tiles of 128 or 256 columns), and the
+# narrowest chunk a budget may ask for.
+CHUNK_MULTIPLE = 256
+MIN_CHUNK_COLUMNS = 256
+# The chunk buffer's rows start on 128-byte boundaries whatever the chunk's width (cuBLAS
+# writes rows of an odd leading dimension at a fraction of its rate).
+BUFFER_ROW_MULTIPLE = 64
+# The fold kernel: one program a row of a chunk, BLOCK columns a step.
+FOLD_BLOCK, FOLD_WARPS = 4096, 4
+GRADIENT_WARPS = 4
+
+
+def buffer_columns(width: int) -> int:
+    """The row stride, in elements, of a buffer for chunks of `width` columns."""
+    return cdiv(width, BUFFER_ROW_MULTIPLE) * BUFFER_ROW_MULTIPLE
+
+
+def default_budget(M: int, V: int, K: int, element_size: int, accumulates: bool) -> int:
+    """Bytes of workspace by default: a chunk of about V / DEFAULT_LOGITS_FRACTION columns
+    (MIN_CHUNK_COLUMNS at least), and the float32 accumulator of dx where one is needed."""
+    columns = max(MIN_CHUNK_COLUMNS, V // DEFAULT_LOGITS_FRACTION)
+    return M * buffer_columns(columns) * element_size + accumulator_bytes(M, K, accumulates)
+
+
+def accumulator_bytes(M: int, K: int, accumulates: bool) -> int:
+    """The float32 (M, K) sum of dx over the chunks, kept where dx is 16-bit and chunked."""
+    return M * K * 4 if accumulates else 0
+
+
+def minimum_budget(M: int, V: int, K: int, element_size: int, accumulates: bool) -> int:
+    """The smallest budget a call can keep to: one chunk of the whole vocabulary where it
+    is narrow, else the narrowest chunk and the accumulator."""
+    whole = M * buffer_columns(V) * element_size
+    narrow = M * buffer_columns(MIN_CHUNK_COLUMNS) * element_size + accumulator_bytes(M, K, accumulates)
+    return min(whole, narrow)
+
+
+def chunk_columns(M: int, V: int, K: int, element_size: int, budget: int | None, accumulates: bool) -> int:
+    """The widest chunk of vocabulary columns whose workspace fits the budget (default:
+    default_budget): V where the whole logits fit (one chunk: no accumulator), else a
+    multiple of CHUNK_MULTIPLE. `accumulates`: dx is 16-bit and wanted. The caller checks
+    the budget against minimum_budget first."""
+    if budget is None:
+        budget = default_budget(M, V, K, element_size, accumulates)
+    if M * buffer_columns(V) * element_size <= budget:
+        return V
+    room = budget - accumulator_bytes(M, K, accumulates)
+    columns = room // max(M * element_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    return min(max(columns, MIN_CHUNK_COLUMNS), V)
