@@ -3,6 +3,7 @@
 import torch
 
 from .cross_entropy import cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
@@ -35,6 +36,31 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward,
                              out_dtype=self.out_dtype)
+
+
+class LinearCrossEntropyLoss(torch.nn.LinearCrossEntropyLoss):
+    """torch.nn.LinearCrossEntropyLoss running pintail.linear_cross_entropy: the same
+    constructor (out_features () only) and state dict (the head is `linear`, a torch.nn.Linear;
+    tie it to an embedding by assigning the embedding's weight to `linear.weight`), plus
+    pintail.linear_cross_entropy's z_loss, softcap, memory_budget and out_dtype."""
+
+    def __init__(self, in_features, num_classes, *, out_features=(), bias=False, device=None, dtype=None,
+                 reduction="mean", weight=None, ignore_index=None, label_smoothing=0.0, options=None, z_loss=0.0,
+                 softcap=None, memory_budget=None, out_dtype=None):
+        if tuple(out_features) != ():
+            raise ValueError(f"pintail.nn.LinearCrossEntropyLoss: out_features must be (), got {out_features}")
+        if options is not None:
+            raise ValueError("pintail.nn.LinearCrossEntropyLoss: options (torch's chunking) must be None; "
+                             "memory_budget sets the chunks")
+        super().__init__(in_features, num_classes, bias=bias, device=device, dtype=dtype, reduction=reduction,
+                         weight=weight, ignore_index=ignore_index, label_smoothing=label_smoothing)
+        self.z_loss, self.softcap, self.memory_budget, self.out_dtype = z_loss, softcap, memory_budget, out_dtype
+
+    def forward(self, input, target):
+        return linear_cross_entropy(input, self.linear.weight, target, linear_bias=self.linear.bias,
+                                    weight=self.weight, reduction=self.reduction, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                                    memory_budget=self.memory_budget, out_dtype=self.out_dtype)
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -84,13 +84,17 @@ def _gradient(logits, start, V, target, weight, weight_total, stats, grad, optio
 
 
 def _add_product(accumulator, a, b):
-    """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b)."""
+    """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b).
+    Without a mixed-precision GEMM (the CPU) the operands go to float32 in slices of
+    plans.CPU_ACCUMULATE_COLUMNS columns of a, so that their copies stay small."""
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
     elif accumulator.is_cuda:
         torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
     else:
-        accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+        for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):
+            stop = start + plans.CPU_ACCUMULATE_COLUMNS
+            accumulator.addmm_(a[:, start:stop].to(accumulator.dtype), b[start:stop].to(accumulator.dtype))
 
 
 # --------------------------------------------------------------- tensor-level functions

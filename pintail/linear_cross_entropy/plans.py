@@ -15,6 +15,9 @@ BUFFER_ROW_MULTIPLE = 64
 # The fold kernel: one program a row of a chunk, BLOCK columns a step.
 FOLD_BLOCK, FOLD_WARPS = 4096, 4
 GRADIENT_WARPS = 4
+# The CPU sums dx in float32 from float32 copies of this many columns of a 16-bit chunk at a
+# time (it has no mixed-precision GEMM).
+CPU_ACCUMULATE_COLUMNS = 16
 
 
 def buffer_columns(width: int) -> int:
