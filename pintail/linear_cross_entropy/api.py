@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from .._core.launch import KERNEL_DTYPES, cdiv, launch, no_second_derivative, row_alignment, runs_kernels
+from .._core.launch import KERNEL_DTYPES, launch, no_second_derivative, row_alignment, runs_kernels
 from ..cross_entropy import cross_entropy
 from ..cross_entropy import plans as cross_entropy_plans
 from ..cross_entropy.api import _check_target_values, _Reduction, _TargetCheck
