@@ -101,6 +101,13 @@ def _ops():
         h = x + residual
         return F.rms_norm(h, (h.shape[-1],), w), h
 
+    def head(M, N, dtype, device):
+        """x (M, 32) and a head W (N, 32) ~ N(0, 1/32); class targets. The GPU benchmark times real
+        heads instead (pintail/bench_heads.py)."""
+        return ((torch.randn(M, 32, device=device, dtype=dtype),
+                 (torch.randn(N, 32, device=device) / 32**0.5).to(dtype)),
+                (torch.randint(0, N, (M,), device=device),))
+
     F = torch.nn.functional
     return {
         # bytes per element of x: read x, write y (fwd); read x, dy, write dx (bwd); the
@@ -138,6 +145,9 @@ def _ops():
                                     # not V = 1: smoothing's gradient there cancels to 0 in float64, leaving
                                     # float32 rounding of terms the size of the weights (no relative error)
                                     check_sizes=[size for size in CHECK_SIZES if size[1] > 1]),
+        # the GPU benchmark has its own protocol and heads (bench_heads.py): no sizes here
+        "linear_cross_entropy": Op(pintail.linear_cross_entropy, lambda x, W, t: F.cross_entropy(F.linear(x, W), t),
+                                   {}, (), make=head, check_sizes=[(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 3000)]),
         "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
                      {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
                      check_sizes=[(1, 3), (2, 17)]),
@@ -153,7 +163,8 @@ def _parse(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
                    help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, cross_entropy_probs, "
-                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary); default: "
+                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary, linear_cross_entropy: "
+                        "its own protocol at real heads, written to heads.json and heads.md); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
@@ -222,6 +233,11 @@ def benchmark(args):
     elem = torch.finfo(dtype).bits // 8
     providers = args.providers.split(",")
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    heads = ops.pop("linear_cross_entropy", None)
+    if heads is not None:
+        _benchmark_heads(args)
+    if not ops:
+        return 0
     copy_bw = _copy_bandwidth()
     print(f"copy ceiling: {copy_bw / 1e12:.2f} TB/s (y.copy_(x), 2^30 bf16 elements)", flush=True)
 
@@ -264,6 +280,20 @@ def benchmark(args):
         f.write(table + "\n")
     _plot(results, copy_bw, os.path.join(args.out, "bandwidth.png"))
     return 0
+
+
+def _benchmark_heads(args):
+    from . import bench_heads
+    providers = args.providers.split(",") if args.providers != "pintail,eager,compile" else None
+    results = bench_heads.run(providers=providers)
+    table = bench_heads.table(results)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "heads.json"), "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "heads.md"), "w") as f:
+        f.write(table + "\n")
 
 
 def _table(results, providers):
