@@ -3,6 +3,8 @@ over a grid of its arguments, and torch.compile(fullgraph=True, dynamic=True) wi
 of every public function, forward and backward, against float64 torch. The file runs on
 each path of the suite: the interpreter, the reference path (--path reference) and CUDA."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,30 @@ def test_opcheck_cross_entropy(options, device, on_reference):
         rows, stats, mass = torch.ops.pintail.cross_entropy_forward.default(x, target, weight, *options_args)
         opcheck(torch.ops.pintail.cross_entropy_backward.default,
                 (torch.randn_like(rows), x, target, weight, stats, mass, *options_args))
+
+
+@pytest.mark.parametrize("options", ["plain", "bias_weight_smoothing", "z_softcap", "empty"])
+def test_opcheck_linear_cross_entropy(options, device, on_reference, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("pintail.linear_cross_entropy.plans"), "MIN_CHUNK_COLUMNS", 64)
+    for dtype in dtypes_of(on_reference):
+        M, K, V = (0 if options == "empty" else 7), 16, 150  # chunks of 64: two whole, one of 22
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        W = torch.randn(V, K, dtype=dtype, device=device) / 4
+        b = torch.randn(V, dtype=dtype, device=device) if options == "bias_weight_smoothing" else None
+        target = torch.randint(0, V, (M,), device=device)
+        weight, smoothing, z, cap, z_ratio = None, 0.0, 0.0, 0.0, None
+        if options == "bias_weight_smoothing":
+            target[1] = -100
+            weight, smoothing = torch.rand(V, dtype=dtype, device=device), 0.2
+            z, z_ratio = 1e-3, torch.tensor(1.7, device=device)
+        elif options == "z_softcap":
+            z, cap = 1e-3, 12.0
+        options_args = (-100, smoothing, z, cap, z_ratio, M * 64 * 4 if M else None)
+        grads = [t.clone().requires_grad_() if t is not None else None for t in (x, W, b)]
+        opcheck(torch.ops.pintail.linear_cross_entropy_forward.default, (*grads, target, weight, *options_args))
+        rows, stats = torch.ops.pintail.linear_cross_entropy_forward.default(x, W, b, target, weight, *options_args)
+        opcheck(torch.ops.pintail.linear_cross_entropy_backward.default,
+                (torch.randn_like(rows), x, W, b, target, weight, stats, *options_args, True, True, b is not None))
 
 
 @pytest.mark.parametrize("case", ["bshd", "bhsd", "transposed", "interleaved_partial", "positions", "k_absent"])
@@ -223,6 +249,41 @@ def test_compile_cross_entropy(options, device, on_reference):
             return loss + {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
 
         compiled_matches(ours, theirs, [x, weight])
+
+
+@pytest.mark.parametrize("options", [dict(), dict(weight=True, label_smoothing=0.1, z_loss=1e-3, bias=True),
+                                     dict(reduction="none", softcap=8.0)], ids=["plain", "weight_smoothing_z_bias",
+                                                                               "none_softcap"])
+def test_compile_linear_cross_entropy(options, device, on_reference, monkeypatch):
+    """(batch, seq, hidden) through the head, several chunks (of 64 classes), no graph break."""
+    monkeypatch.setattr(importlib.import_module("pintail.linear_cross_entropy.plans"), "MIN_CHUNK_COLUMNS", 64)
+    monkeypatch.setattr(importlib.import_module("pintail.linear_cross_entropy.plans"), "CHUNK_MULTIPLE", 64)
+    for dtype in compile_dtypes(on_reference):
+        options = dict(options)
+        B, S, K, V = 2, 5, 16, 150
+        x = torch.randn(B, S, K, device=device).to(dtype).requires_grad_()
+        W = (torch.randn(V, K, device=device) / 4).to(dtype).requires_grad_()
+        b = torch.randn(V, device=device).to(dtype).requires_grad_() if options.pop("bias", False) else None
+        target = torch.randint(0, V, (B, S), device=device)
+        target[0, 2] = -100
+        weight = torch.rand(V, device=device).to(dtype) if options.pop("weight", False) else None
+        z, cap = options.pop("z_loss", 0.0), options.pop("softcap", None)
+
+        def ours(x, W, b):
+            return pintail.linear_cross_entropy(x * 2, W, target, linear_bias=b, weight=weight, z_loss=z, softcap=cap,
+                                                **options)
+
+        def theirs(x, W, b):
+            logits = F.linear(x * 2, W, b)
+            logits = logits if cap is None else cap * torch.tanh(logits / cap)
+            logits, t = logits.reshape(-1, V), target.reshape(-1)
+            loss = F.cross_entropy(logits, t, weight.to(x.dtype) if weight is not None else None, **options)
+            if not z:
+                return loss.reshape(B, S) if options.get("reduction") == "none" else loss
+            kept = (t != -100).to(logits.dtype)
+            return loss + (z * torch.logsumexp(logits, 1) ** 2 * kept).sum() / kept.sum()
+
+        compiled_matches(ours, theirs, [x, W, b] if b is not None else [x, W, None])
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "transposed_view", "interleaved_partial", "positions"])
