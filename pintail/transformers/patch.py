@@ -1,0 +1,218 @@
+"""pintail.patch: pintail's kernels in a Hugging Face causal language model, in place."""
+
+import importlib
+import inspect
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cross_entropy import cross_entropy
+from ..linear_cross_entropy import linear_cross_entropy
+from ..norm import layer_norm, rms_norm
+from ..rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class Family:
+    """What pintail patches in one model family: `module`, the transformers.models package;
+    `norms`, each norm class name and its output rule (NORM_FORWARDS); `rotary`, whether its
+    attention calls the module's apply_rotary_pos_emb."""
+    module: str
+    norms: dict
+    rotary: bool = True
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}),
+    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}),
+    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}),
+    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}),  # q/k norms too
+    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}),
+    "Olmo2ForCausalLM": Family("olmo2", {"Olmo2RMSNorm": "weight_then_cast"}),  # q/k norms too
+    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}),
+    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}),  # q/k norms too
+    "GPTNeoXForCausalLM": Family("gpt_neox", {"LayerNorm": "layer_norm"}),  # partial rotary
+    "GPT2LMHeadModel": Family("gpt2", {"LayerNorm": "layer_norm"}, rotary=False),
+}
+
+
+def _cast_then_weight(self, x):
+    """Llama: weight * normalised(x).to(x.dtype), in the dtype those two promote to."""
+    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon,
+                    out_dtype=torch.promote_types(self.weight.dtype, x.dtype))
+
+
+def _weight_then_cast(self, x):
+    """OLMo 2: (weight * normalised(x)).to(x.dtype)."""
+    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+
+
+def _one_plus_weight(self, x):
+    """Gemma: normalised(x) * (1 + weight), in float32, then x's dtype."""
+    return rms_norm(x, (x.shape[-1],), self.weight, self.eps, weight_offset=1.0)
+
+
+def _layer_norm(self, x):
+    return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+NORM_FORWARDS = {"cast_then_weight": _cast_then_weight, "weight_then_cast": _weight_then_cast,
+                 "one_plus_weight": _one_plus_weight, "layer_norm": _layer_norm}
+
+
+# How many forwards of models patched for rotary are running: the family's
+# apply_rotary_pos_emb runs pintail's kernel only inside them, torch's elsewhere (an unpatched
+# model of the same family in the same process).
+_ROTARY_CALLS = [0]
+
+
+def _scoped_rotary(original):
+    """transformers' apply_rotary_pos_emb (`original`), on pintail's fused q/k kernel inside a
+    patched model's forward: cos and sin per token (batch, seq, rotary width), q and k (batch,
+    heads, seq, head_dim) for unsqueeze_dim 1 or (batch, seq, heads, head_dim) for 2; features
+    past the rotary width pass through (GPT-NeoX, Phi's partial rotary)."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if not _ROTARY_CALLS[0] or unsqueeze_dim not in (1, 2):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return apply_rotary(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
+
+    apply_rotary_pos_emb.pintail_original = original
+    return apply_rotary_pos_emb
+
+
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """transformers' ForCausalLMLoss on pintail.cross_entropy: labels shifted left by one, a
+    mean over the kept tokens, or a sum divided by num_items_in_batch (gradient
+    accumulation); float32 from 16-bit logits without their float32 copy; the logits are
+    never written to."""
+    shift_labels = _shifted(labels, shift_labels, ignore_index)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
+                         ignore_index=ignore_index, reduction=reduction, out_dtype=torch.float32)
+    return _per_item(loss, num_items_in_batch)
+
+
+def _shifted(labels, shift_labels, ignore_index):
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _per_item(loss, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _rotary_forward(original):
+    """The model's forward with pintail's rotary kernel on while it runs."""
+    def forward(*args, **kwargs):
+        _ROTARY_CALLS[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _ROTARY_CALLS[0] -= 1
+
+    return forward
+
+
+def _fused_loss_forward(model, original, head, softcap):
+    """The model's forward where, with labels and gradients on, the loss comes from
+    pintail.linear_cross_entropy on the last hidden state: the head's logits are never made
+    (the output's logits are None). Without labels, or without gradients (evaluation, which
+    wants logits), the model's own forward runs, its loss on pintail.cross_entropy."""
+    signature = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        labels = bound.arguments.get("labels")
+        if labels is None or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        extra = dict(bound.arguments.get("kwargs", {}))
+        if bound.arguments.get("logits_to_keep", 0) not in (0, None):
+            return original(*args, **kwargs)
+        bound.arguments["labels"] = None
+        hidden = []
+
+        def keep_hidden(h):  # the head's input; an empty view in place of the logits
+            hidden.append(h)
+            return h[..., :0]
+
+        head.forward = keep_hidden
+        try:
+            output = original(*bound.args, **bound.kwargs)
+        finally:
+            del head.forward
+        if len(hidden) != 1:
+            raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward called its output head "
+                               f"{len(hidden)} times, expected once")
+        shift_labels = _shifted(labels, extra.get("shift_labels"), -100)
+        num_items = extra.get("num_items_in_batch")
+        loss = linear_cross_entropy(hidden[0], head.weight, shift_labels.to(hidden[0].device),
+                                    linear_bias=head.bias, reduction="sum" if num_items is not None else "mean",
+                                    softcap=softcap, out_dtype=torch.float32)
+        loss = _per_item(loss, num_items)
+        if isinstance(output, tuple):
+            return (loss, None, *output[1:])
+        output["loss"] = loss
+        output["logits"] = None
+        return output
+
+    return forward
+
+
+def patch(model, *, norms=True, rotary=True, loss=True):
+    """Run pintail's kernels inside a Hugging Face causal LM (in place; returns the model).
+
+    - norms: each norm module of the family runs pintail.rms_norm / layer_norm with the
+      family's dtype rule (a forward swap: parameters, names and the state dict unchanged).
+    - rotary: the family's apply_rotary_pos_emb runs pintail.apply_rotary with the model's own
+      cos and sin while this model's forward runs (the function in the family's transformers
+      module is replaced by one that runs torch's original outside patched models).
+    - loss: with labels (and gradients on) the loss is pintail.linear_cross_entropy on the last
+      hidden state, no logits (None in the output); labels shifted as transformers does,
+      ignore_index -100, num_items_in_batch for gradient accumulation, Gemma's final-logit
+      softcapping, float32. Without labels (generate) the logits are as before.
+    Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
+    does not find, raises before anything is changed. Patching twice changes nothing more.
+    """
+    name = type(model).__name__
+    family = FAMILIES.get(name)
+    if family is None:
+        raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
+    done = getattr(model, "_pintail_patched", set())
+    wanted = {part for part, on in (("norms", norms), ("rotary", rotary), ("loss", loss)) if on} - done
+    modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+    changes = []
+    if "norms" in wanted:
+        found = [m for m in model.modules() if type(m).__name__ in family.norms]
+        if not found:
+            raise RuntimeError(f"pintail.patch: {name} has no module of {sorted(family.norms)} to patch")
+        for m in found:
+            forward = types.MethodType(NORM_FORWARDS[family.norms[type(m).__name__]], m)
+            changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    if "loss" in wanted:
+        head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise RuntimeError(f"pintail.patch: {name}'s output head is {type(head).__name__}, expected nn.Linear")
+        if "labels" not in inspect.signature(model.forward).parameters:
+            raise RuntimeError(f"pintail.patch: {name}.forward takes no labels")
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        changes.append(lambda: setattr(model, "forward", _fused_loss_forward(model, model.forward, head, softcap)))
+        changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
+    if "rotary" in wanted and family.rotary:
+        original = getattr(modeling, "apply_rotary_pos_emb", None)
+        if not callable(original):
+            raise RuntimeError(f"pintail.patch: {name}: {modeling.__name__} has no apply_rotary_pos_emb to patch")
+        if not hasattr(original, "pintail_original"):
+            changes.append(lambda: setattr(modeling, "apply_rotary_pos_emb", _scoped_rotary(original)))
+        changes.append(lambda: setattr(model, "forward", _rotary_forward(model.forward)))
+    for change in changes:
+        change()
+    model._pintail_patched = done | wanted
+    return model

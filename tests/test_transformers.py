@@ -1,0 +1,189 @@
+"""pintail.patch on tiny, randomly initialised Hugging Face models of every supported family:
+patched against unpatched on the same batch (loss and every parameter's gradient), with
+pintail's kernels counted; training steps, gradient accumulation, packed sequences,
+generate(), evaluation with logits, and the loud failures."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import pintail
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN = 256, 64
+
+
+def tiny_model(family, dtype=torch.float32):
+    small = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**small),
+        "mistral": lambda: transformers.MistralConfig(**small),
+        "qwen2": lambda: transformers.Qwen2Config(**small),
+        "qwen3": lambda: transformers.Qwen3Config(**small, head_dim=16),
+        "phi3": lambda: transformers.Phi3Config(**small, pad_token_id=0),
+        "olmo2": lambda: transformers.Olmo2Config(**small),
+        "gemma2": lambda: transformers.Gemma2Config(**small, head_dim=16, final_logit_softcapping=5.0,
+                                                    query_pre_attn_scalar=16),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**small, head_dim=16, final_logit_softcapping=5.0,
+                                                        query_pre_attn_scalar=16),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64),
+    }[family]()
+    classes = {"gemma3": transformers.Gemma3ForCausalLM, "gpt2": transformers.GPT2LMHeadModel}
+    model = (classes.get(family) or transformers.AutoModelForCausalLM.from_config)(config)
+    return model.to(dtype).eval()  # no dropout (GPT-2's): the same batch gives the same loss
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "gpt_neox", "gpt2"]
+
+
+def batch(device, B=2, S=9):
+    ids = torch.randint(0, VOCAB, (B, S), device=device)
+    labels = ids.clone()
+    labels[0, :3] = -100  # padding
+    return ids, labels
+
+
+def record_launches(monkeypatch):
+    """(op package, kernel name) of each pintail kernel launched from now on."""
+    launched = []
+    for module in ("norm.api", "rotary.api", "linear_cross_entropy.api", "cross_entropy.api"):
+        api = importlib.import_module(f"pintail.{module}")
+        real = api.launch
+
+        def recording(kernel, grid, *args, real=real, op=module.split(".")[0], **kwargs):
+            launched.append((op, kernel.__name__))
+            real(kernel, grid, *args, **kwargs)
+        monkeypatch.setattr(api, "launch", recording)
+    return launched
+
+
+def loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad()
+    output = model(input_ids=ids, labels=labels, **kwargs)
+    output.loss.backward()
+    return output, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_unpatched(family, device, on_reference, monkeypatch):
+    torch.manual_seed(0)
+    model = tiny_model(family).to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    expected, expected_grads = loss_and_grads(model, ids, labels)
+    launched = record_launches(monkeypatch)
+    got, grads = loss_and_grads(patched, ids, labels)
+    assert got.logits is None and got.loss.dtype == torch.float32
+    assert torch.allclose(got.loss, expected.loss, rtol=1e-5, atol=1e-6), (got.loss, expected.loss)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        scale = expected_grads[name].abs().max().item()
+        assert torch.allclose(grad, expected_grads[name], rtol=1e-4, atol=1e-5 * scale), name
+    if not on_reference:
+        ops = {op for op, _ in launched}
+        # cross_entropy: its target check, which linear_cross_entropy runs
+        assert ops == {"norm", "linear_cross_entropy", "cross_entropy"} | ({"rotary"} if family != "gpt2" else set())
+        assert {"_fold_kernel", "_gradient_kernel"} <= {kernel for _, kernel in launched}
+    assert patched.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_training_curves_match(family, device):
+    """Ten AdamW steps from the same weights give the same losses, patched or not."""
+    torch.manual_seed(1)
+    model = tiny_model(family).to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    curves = []
+    for m in (model, patched):
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(10):
+            optimizer.zero_grad()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    assert curves[0][-1] < curves[0][0]
+    assert torch.allclose(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-4), curves
+
+
+def test_gradient_accumulation_and_packing(device):
+    """num_items_in_batch: a sum divided by it, as transformers; packed sequences with
+    position_ids restarting at each document."""
+    torch.manual_seed(2)
+    model = tiny_model("llama").to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device, B=1, S=12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]], device=device)
+    items = torch.tensor(17, device=device)
+    for kwargs in (dict(num_items_in_batch=items), dict(position_ids=positions)):
+        expected, expected_grads = loss_and_grads(model, ids, labels, **kwargs)
+        got, grads = loss_and_grads(patched, ids, labels, **kwargs)
+        assert torch.allclose(got.loss, expected.loss, rtol=1e-5), kwargs
+        for name, grad in grads.items():
+            assert torch.allclose(grad, expected_grads[name], rtol=1e-4, atol=1e-6), (name, kwargs)
+
+
+def test_logits_without_labels_or_gradients(device):
+    """generate() and evaluation get the logits as before; with labels and no gradients the
+    loss comes with them."""
+    torch.manual_seed(3)
+    model = tiny_model("qwen3").to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=labels)
+        got = patched(input_ids=ids, labels=labels)
+        assert torch.allclose(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
+        generated = patched.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
+        assert torch.equal(generated, model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.kernels_only
+def test_unpatched_model_of_the_same_family_keeps_torch(device, monkeypatch):
+    """Patching one model leaves another of its family on torch's rotary."""
+    model = tiny_model("llama").to(device)
+    pintail.patch(tiny_model("llama").to(device))
+    launched = record_launches(monkeypatch)
+    ids, labels = batch(device)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert launched == []
+
+
+def test_bfloat16_within_bf16_tolerance(device):
+    torch.manual_seed(4)
+    model = tiny_model("llama", torch.bfloat16).to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    expected, _ = loss_and_grads(model, ids, labels)
+    got, _ = loss_and_grads(patched, ids, labels)
+    assert got.loss.dtype == expected.loss.dtype == torch.float32
+    assert abs(got.loss.item() - expected.loss.item()) < 2e-2 * expected.loss.item()
+
+
+def test_loud_failures_and_repeat(device, monkeypatch):
+    with pytest.raises(TypeError, match="pintail.patch: Linear is not supported"):
+        pintail.patch(torch.nn.Linear(2, 2))
+    model = tiny_model("llama")
+    forward = model.forward
+    patch_module = importlib.import_module("pintail.transformers.patch")
+    broken = patch_module.Family("llama", {"NoSuchNorm": "cast_then_weight"})
+    monkeypatch.setitem(patch_module.FAMILIES, "LlamaForCausalLM", broken)
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM has no module of \['NoSuchNorm'\]"):
+        pintail.patch(model)
+    assert model.forward == forward and not hasattr(model, "_pintail_patched")  # nothing changed
+    monkeypatch.undo()
+    pintail.patch(model)
+    once = model.forward
+    pintail.patch(model)
+    assert model.forward is once
