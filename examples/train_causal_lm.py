@@ -1,0 +1,152 @@
+"""Train a randomly initialised Hugging Face causal LM with and without pintail.patch.
+
+The corpus is this repository's own text (its Python sources and Markdown), read as bytes:
+no download, no tokenizer. Both runs start from the same weights and see the same batches;
+each step prints both losses, tokens per second and peak GPU memory, then a summary table
+and (with matplotlib) a plot of the two loss curves.
+
+    python examples/train_causal_lm.py --model llama --steps 20             # tiny, CPU or GPU
+    TRITON_INTERPRET=1 python examples/train_causal_lm.py --steps 5         # kernels on a CPU
+    python examples/train_causal_lm.py --model llama --width 1b --batch 8 --seq 2048 --dtype bf16
+"""
+
+import argparse
+import copy
+import pathlib
+import time
+
+import torch
+
+import pintail
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "gpt_neox", "gpt2")
+
+
+def config(family, width):
+    """A transformers config: `tiny` (2 layers, hidden 64) or `1b` (Llama-3.2-1B's sizes)."""
+    import transformers
+    if width == "tiny":
+        sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    else:
+        sizes = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8)
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=sizes["vocab_size"], n_embd=sizes["hidden_size"],
+                                       n_layer=sizes["num_hidden_layers"], n_head=sizes["num_attention_heads"],
+                                       n_positions=4096, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if family == "gpt_neox":
+        sizes.pop("num_key_value_heads")
+        return transformers.GPTNeoXConfig(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                    "partial_rotary_factor": 0.25})
+    extra = {"gemma2": dict(head_dim=head_dim, final_logit_softcapping=30.0, query_pre_attn_scalar=head_dim),
+             "gemma3": dict(head_dim=head_dim, final_logit_softcapping=30.0, query_pre_attn_scalar=head_dim),
+             "qwen3": dict(head_dim=head_dim), "phi3": dict(pad_token_id=0)}.get(family, {})
+    name = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+            "phi3": "Phi3Config", "olmo2": "Olmo2Config", "gemma2": "Gemma2Config",
+            "gemma3": "Gemma3TextConfig"}[family]
+    return getattr(transformers, name)(**sizes, **extra)
+
+
+def model_for(family, width, dtype, device):
+    import transformers
+    cfg = config(family, width)
+    if family == "gemma3":
+        model = transformers.Gemma3ForCausalLM(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.to(device=device, dtype=dtype)
+
+
+def corpus(device):
+    """The repository's text as one long tensor of bytes."""
+    files = sorted(ROOT.glob("pintail/**/*.py")) + sorted(ROOT.glob("*.md")) + sorted(ROOT.glob("docs/*.md"))
+    data = b"\n".join(f.read_bytes() for f in files)
+    return torch.tensor(list(data), dtype=torch.long, device=device)
+
+
+def batches(text, batch, seq, steps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, text.numel() - seq - 1, (batch,), generator=generator)
+        yield torch.stack([text[s:s + seq] for s in starts.tolist()])
+
+
+def train(model, text, args, label):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    cuda = text.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses, rates = [], []
+    for step, ids in enumerate(batches(text, args.batch, args.seq, args.steps, args.seed)):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # waits for the step
+        rate = ids.numel() / (time.perf_counter() - start)
+        losses.append(value)
+        rates.append(rate)
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "-"
+        print(f"{label:>9} step {step:3d}: loss {value:.4f}, {rate:,.0f} tokens/s, peak {peak}", flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return losses, rates, peak
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama", choices=FAMILIES)
+    p.add_argument("--width", default="tiny", choices=("tiny", "1b"))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--plot", default="train_causal_lm.png", help="loss curves (needs matplotlib)")
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    text = corpus(args.device)
+    torch.manual_seed(args.seed)
+    model = model_for(args.model, args.width, dtype, args.device)
+    runs = {}
+    for label in ("torch", "pintail"):
+        # the same initial weights for both runs
+        copy_ = copy.deepcopy(model)
+        runs[label] = train(pintail.patch(copy_) if label == "pintail" else copy_, text, args, label)
+        del copy_
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    warm = slice(min(3, args.steps - 1), None)  # tokens/s after the first steps (compilation)
+    print(f"\n{args.model} ({args.width}, {args.dtype}), {args.batch} x {args.seq} tokens, {args.steps} steps, "
+          f"{args.device}\n")
+    print("| run | first loss | last loss | tokens/s (median after 3 steps) | peak memory |\n|---|---|---|---|---|")
+    for label, (losses, rates, peak) in runs.items():
+        tail = sorted(rates[warm])
+        print(f"| {label} | {losses[0]:.4f} | {losses[-1]:.4f} | {tail[len(tail) // 2]:,.0f} | "
+              f"{f'{peak:.2f} GiB' if peak is not None else '-'} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return 0
+    for label, (losses, _, _) in runs.items():
+        plt.plot(losses, label=label)
+    plt.xlabel("step")
+    plt.ylabel("loss")
+    plt.title(f"{args.model} ({args.width})")
+    plt.legend()
+    plt.savefig(args.plot, dpi=100)
+    print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
