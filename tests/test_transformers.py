@@ -187,3 +187,27 @@ def test_loud_failures_and_repeat(device, monkeypatch):
     once = model.forward
     pintail.patch(model)
     assert model.forward is once
+
+
+@pytest.mark.parametrize("mode", ["gradient_checkpointing", "compile"])
+def test_checkpointing_and_compile(mode, device):
+    """Gradient checkpointing and torch.compile(model) (aot_eager: the traced graphs) keep
+    the patched model's loss and gradients."""
+    torch.manual_seed(5)
+    model = tiny_model("llama").to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    expected, expected_grads = loss_and_grads(model, ids, labels)
+    if mode == "gradient_checkpointing":
+        patched.train()
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        run = patched
+    else:
+        torch._dynamo.reset()
+        run = torch.compile(patched, backend="aot_eager")
+    patched.zero_grad()
+    got = run(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
+    for name, p in patched.named_parameters():
+        assert torch.allclose(p.grad, expected_grads[name], rtol=1e-4, atol=1e-6), name

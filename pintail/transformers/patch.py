@@ -62,9 +62,9 @@ NORM_FORWARDS = {"cast_then_weight": _cast_then_weight, "weight_then_cast": _wei
                  "one_plus_weight": _one_plus_weight, "layer_norm": _layer_norm}
 
 
-# How many forwards of models patched for rotary are running: the family's
-# apply_rotary_pos_emb runs pintail's kernel only inside them, torch's elsewhere (an unpatched
-# model of the same family in the same process).
+# How many forwards of attention modules patched for rotary are running (a recomputation by
+# gradient checkpointing too): the family's apply_rotary_pos_emb runs pintail's kernel only
+# inside them, torch's elsewhere (an unpatched model of the same family in the process).
 _ROTARY_CALLS = [0]
 
 
@@ -73,6 +73,7 @@ def _scoped_rotary(original):
     patched model's forward: cos and sin per token (batch, seq, rotary width), q and k (batch,
     heads, seq, head_dim) for unsqueeze_dim 1 or (batch, seq, heads, head_dim) for 2; features
     past the rotary width pass through (GPT-NeoX, Phi's partial rotary)."""
+
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not _ROTARY_CALLS[0] or unsqueeze_dim not in (1, 2):
             return original(q, k, cos, sin, unsqueeze_dim)
@@ -110,7 +111,7 @@ def _per_item(loss, num_items_in_batch):
 
 
 def _rotary_forward(original):
-    """The model's forward with pintail's rotary kernel on while it runs."""
+    """An attention module's forward with pintail's rotary kernel on while it runs."""
     def forward(*args, **kwargs):
         _ROTARY_CALLS[0] += 1
         try:
@@ -121,41 +122,49 @@ def _rotary_forward(original):
     return forward
 
 
+class _HeadInput:
+    """The output head's forward while `active`: it keeps its input (the last hidden state)
+    and returns an empty view of it in place of the logits; the head's own forward otherwise."""
+
+    def __init__(self, head):
+        self.head_forward, self.active, self.hidden = head.forward, False, None
+
+    def __call__(self, hidden):
+        if not self.active:
+            return self.head_forward(hidden)
+        self.hidden = hidden
+        return hidden[..., :0]
+
+
 def _fused_loss_forward(model, original, head, softcap):
     """The model's forward where, with labels and gradients on, the loss comes from
     pintail.linear_cross_entropy on the last hidden state: the head's logits are never made
     (the output's logits are None). Without labels, or without gradients (evaluation, which
     wants logits), the model's own forward runs, its loss on pintail.cross_entropy."""
     signature = inspect.signature(original)
+    head_input = _HeadInput(head)
+    head.forward = head_input
 
     def forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         labels = bound.arguments.get("labels")
-        if labels is None or not torch.is_grad_enabled():
+        if labels is None or not torch.is_grad_enabled() or bound.arguments.get("logits_to_keep", 0) not in (0, None):
             return original(*args, **kwargs)
         extra = dict(bound.arguments.get("kwargs", {}))
-        if bound.arguments.get("logits_to_keep", 0) not in (0, None):
-            return original(*args, **kwargs)
         bound.arguments["labels"] = None
-        hidden = []
-
-        def keep_hidden(h):  # the head's input; an empty view in place of the logits
-            hidden.append(h)
-            return h[..., :0]
-
-        head.forward = keep_hidden
+        head_input.active, head_input.hidden = True, None
         try:
             output = original(*bound.args, **bound.kwargs)
         finally:
-            del head.forward
-        if len(hidden) != 1:
-            raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward called its output head "
-                               f"{len(hidden)} times, expected once")
+            head_input.active = False
+        hidden, head_input.hidden = head_input.hidden, None
+        if hidden is None:
+            raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward did not call its output head")
         shift_labels = _shifted(labels, extra.get("shift_labels"), -100)
         num_items = extra.get("num_items_in_batch")
-        loss = linear_cross_entropy(hidden[0], head.weight, shift_labels.to(hidden[0].device),
-                                    linear_bias=head.bias, reduction="sum" if num_items is not None else "mean",
-                                    softcap=softcap, out_dtype=torch.float32)
+        loss = linear_cross_entropy(hidden, head.weight, shift_labels.to(hidden.device), linear_bias=head.bias,
+                                    reduction="sum" if num_items is not None else "mean", softcap=softcap,
+                                    out_dtype=torch.float32)
         loss = _per_item(loss, num_items)
         if isinstance(output, tuple):
             return (loss, None, *output[1:])
@@ -209,9 +218,14 @@ def patch(model, *, norms=True, rotary=True, loss=True):
         original = getattr(modeling, "apply_rotary_pos_emb", None)
         if not callable(original):
             raise RuntimeError(f"pintail.patch: {name}: {modeling.__name__} has no apply_rotary_pos_emb to patch")
+        attention = [m for m in model.modules() if type(m).__module__ == modeling.__name__
+                     and "apply_rotary_pos_emb" in inspect.getsource(type(m).forward)]
+        if not attention:
+            raise RuntimeError(f"pintail.patch: {name} has no module whose forward calls apply_rotary_pos_emb")
         if not hasattr(original, "pintail_original"):
             changes.append(lambda: setattr(modeling, "apply_rotary_pos_emb", _scoped_rotary(original)))
-        changes.append(lambda: setattr(model, "forward", _rotary_forward(model.forward)))
+        for m in attention:
+            changes.append(lambda m=m: setattr(m, "forward", _rotary_forward(m.forward)))
     for change in changes:
         change()
     model._pintail_patched = done | wanted
