@@ -1,5 +1,7 @@
 """Plain PyTorch versions of the ops: the CPU path (and float64 anywhere)."""
 
+import math
+
 import torch
 
 
@@ -223,3 +225,34 @@ def linear_cross_entropy_chunk_gradient(chunk, first_class, V, target, weight, w
         d = d * (1 - tanh.to(xc.dtype) ** 2)
     d = torch.where(ignored[:, None], p * 0, d)
     return torch.where((in_range | ignored)[:, None], d, float("nan")).to(chunk.dtype)
+
+
+def _gated_activation(g, activation):
+    """act(g) for the gated activations' codes: 0 SiLU, 1 GELU (tanh), 2 GELU (erf)."""
+    if activation == 0:
+        return torch.nn.functional.silu(g)
+    return torch.nn.functional.gelu(g, approximate="tanh" if activation == 1 else "none")
+
+
+def gated_forward(gate, up, activation):
+    """act(gate) * up in float32 at least, rounded once to gate's dtype, as the kernel."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    return (_gated_activation(gate.to(compute), activation) * up.to(compute)).to(gate.dtype)
+
+
+def gated_backward(dy, gate, up, activation):
+    """(dy * up * act'(gate), dy * act(gate)) in float32 at least, in gate's dtype (the
+    derivatives written out: a custom op may not run autograd inside)."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    g, dy, up = gate.to(compute), dy.to(compute), up.to(compute)
+    if activation == 0:
+        s = torch.sigmoid(g)
+        a, da = g * s, s * (1 + g * (1 - s))
+    elif activation == 1:
+        k, c = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(k * (g + c * g**3))
+        a, da = 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * c * g * g)
+    else:
+        cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
+        a, da = g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    return (dy * up * da).to(gate.dtype), (dy * a).to(gate.dtype)

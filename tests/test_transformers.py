@@ -53,7 +53,7 @@ def batch(device, B=2, S=9):
 def record_launches(monkeypatch):
     """(op package, kernel name) of each pintail kernel launched from now on."""
     launched = []
-    for module in ("norm.api", "rotary.api", "linear_cross_entropy.api", "cross_entropy.api"):
+    for module in ("norm.api", "rotary.api", "linear_cross_entropy.api", "cross_entropy.api", "gated.api"):
         api = importlib.import_module(f"pintail.{module}")
         real = api.launch
 
@@ -89,7 +89,9 @@ def test_matches_unpatched(family, device, on_reference, monkeypatch):
     if not on_reference:
         ops = {op for op, _ in launched}
         # cross_entropy: its target check, which linear_cross_entropy runs
-        assert ops == {"norm", "linear_cross_entropy", "cross_entropy"} | ({"rotary"} if family != "gpt2" else set())
+        expected_ops = {"norm", "linear_cross_entropy", "cross_entropy", "rotary", "gated"}
+        expected_ops -= {"gpt2": {"rotary", "gated"}, "gpt_neox": {"gated"}}.get(family, set())
+        assert ops == expected_ops, ops
         assert {"_fold_kernel", "_gradient_kernel"} <= {kernel for _, kernel in launched}
     assert patched.state_dict().keys() == model.state_dict().keys()
 
@@ -169,6 +171,16 @@ def test_bfloat16_within_bf16_tolerance(device):
     got, _ = loss_and_grads(patched, ids, labels)
     assert got.loss.dtype == expected.loss.dtype == torch.float32
     assert abs(got.loss.item() - expected.loss.item()) < 2e-2 * expected.loss.item()
+
+
+def test_unknown_activation_stays_on_torch(device):
+    """A gated MLP whose activation pintail has no kernel for is left alone, with a warning."""
+    model = tiny_model("llama")
+    model.config.hidden_act = "relu2"
+    mlp_forward = model.model.layers[0].mlp.forward
+    with pytest.warns(UserWarning, match="MLP activation 'relu2' has no pintail kernel"):
+        pintail.patch(model)
+    assert model.model.layers[0].mlp.forward == mlp_forward
 
 
 def test_loud_failures_and_repeat(device, monkeypatch):

@@ -3,12 +3,14 @@
 import importlib
 import inspect
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..cross_entropy import cross_entropy
+from ..gated import geglu, swiglu
 from ..linear_cross_entropy import linear_cross_entropy
 from ..norm import layer_norm, rms_norm
 from ..rotary import apply_rotary
@@ -18,21 +20,25 @@ from ..rotary import apply_rotary
 class Family:
     """What pintail patches in one model family: `module`, the transformers.models package;
     `norms`, each norm class name and its output rule (NORM_FORWARDS); `rotary`, whether its
-    attention calls the module's apply_rotary_pos_emb."""
+    attention calls the module's apply_rotary_pos_emb; `mlp`, its gated MLP class and whether
+    it projects gate and up apart ("separate": gate_proj, up_proj) or as one ("fused":
+    gate_up_proj, gate first); None for a plain MLP."""
     module: str
     norms: dict
     rotary: bool = True
+    mlp: tuple = None
 
 
+# Qwen3's, OLMo 2's and Gemma 3's q/k norms are modules of their norm class: patched with the others.
 FAMILIES = {
-    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}),
-    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}),
-    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}),
-    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}),  # q/k norms too
-    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}),
-    "Olmo2ForCausalLM": Family("olmo2", {"Olmo2RMSNorm": "weight_then_cast"}),  # q/k norms too
-    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}),
-    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}),  # q/k norms too
+    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}, mlp=("LlamaMLP", "separate")),
+    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}, mlp=("MistralMLP", "separate")),
+    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}, mlp=("Qwen2MLP", "separate")),
+    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}, mlp=("Qwen3MLP", "separate")),
+    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}, mlp=("Phi3MLP", "fused")),
+    "Olmo2ForCausalLM": Family("olmo2", {"Olmo2RMSNorm": "weight_then_cast"}, mlp=("Olmo2MLP", "separate")),
+    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}, mlp=("Gemma2MLP", "separate")),
+    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}, mlp=("Gemma3MLP", "separate")),
     "GPTNeoXForCausalLM": Family("gpt_neox", {"LayerNorm": "layer_norm"}),  # partial rotary
     "GPT2LMHeadModel": Family("gpt2", {"LayerNorm": "layer_norm"}, rotary=False),
 }
@@ -56,6 +62,24 @@ def _one_plus_weight(self, x):
 
 def _layer_norm(self, x):
     return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+# The config's activation name -> (pintail function, its extra arguments); gated MLPs with
+# any other activation stay on torch.
+GATED_ACTIVATIONS = {"silu": (swiglu, {}), "swish": (swiglu, {}), "gelu": (geglu, {"approximate": "none"}),
+                     "gelu_pytorch_tanh": (geglu, {"approximate": "tanh"}),
+                     "gelu_new": (geglu, {"approximate": "tanh"})}
+
+
+def _mlp_forward(form, act, options):
+    """A gated MLP's forward on pintail's fused activation."""
+    if form == "fused":
+        def forward(self, x):
+            return self.down_proj(act(self.gate_up_proj(x), **options))
+    else:
+        def forward(self, x):
+            return self.down_proj(act(self.gate_proj(x), self.up_proj(x), **options))
+    return forward
 
 
 NORM_FORWARDS = {"cast_then_weight": _cast_then_weight, "weight_then_cast": _weight_then_cast,
@@ -175,7 +199,7 @@ def _fused_loss_forward(model, original, head, softcap):
     return forward
 
 
-def patch(model, *, norms=True, rotary=True, loss=True):
+def patch(model, *, norms=True, rotary=True, loss=True, mlp=True):
     """Run pintail's kernels inside a Hugging Face causal LM (in place; returns the model).
 
     - norms: each norm module of the family runs pintail.rms_norm / layer_norm with the
@@ -187,6 +211,9 @@ def patch(model, *, norms=True, rotary=True, loss=True):
       hidden state, no logits (None in the output); labels shifted as transformers does,
       ignore_index -100, num_items_in_batch for gradient accumulation, Gemma's final-logit
       softcapping, float32. Without labels (generate) the logits are as before.
+    - mlp: the gated MLPs (SwiGLU, Gemma's tanh GeGLU, Phi-3's fused gate_up) run pintail.swiglu /
+      geglu (a forward swap); an activation pintail does not have is left to torch, with a
+      warning that names it.
     Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
     does not find, raises before anything is changed. Patching twice changes nothing more.
     """
@@ -195,7 +222,7 @@ def patch(model, *, norms=True, rotary=True, loss=True):
     if family is None:
         raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
     done = getattr(model, "_pintail_patched", set())
-    wanted = {part for part, on in (("norms", norms), ("rotary", rotary), ("loss", loss)) if on} - done
+    wanted = {part for part, on in (("norms", norms), ("rotary", rotary), ("loss", loss), ("mlp", mlp)) if on} - done
     modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
     changes = []
     if "norms" in wanted:
@@ -205,6 +232,21 @@ def patch(model, *, norms=True, rotary=True, loss=True):
         for m in found:
             forward = types.MethodType(NORM_FORWARDS[family.norms[type(m).__name__]], m)
             changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    if "mlp" in wanted and family.mlp is not None:
+        mlp_class, form = family.mlp
+        found = [m for m in model.modules() if type(m).__name__ == mlp_class]
+        if not found:
+            raise RuntimeError(f"pintail.patch: {name} has no {mlp_class} module to patch")
+        config = getattr(model.config, "get_text_config", lambda: model.config)()
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if activation in GATED_ACTIVATIONS:
+            act, options = GATED_ACTIVATIONS[activation]
+            for m in found:
+                forward = types.MethodType(_mlp_forward(form, act, options), m)
+                changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+        else:
+            warnings.warn(f"pintail.patch: {name}'s MLP activation {activation!r} has no pintail kernel; its "
+                          f"{mlp_class} modules stay on torch", stacklevel=2)
     if "loss" in wanted:
         head = model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear):
