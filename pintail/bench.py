@@ -108,6 +108,9 @@ def _ops():
                  (torch.randn(N, 32, device=device) / 32**0.5).to(dtype)),
                 (torch.randint(0, N, (M,), device=device),))
 
+    def gate_and_up(M, N, dtype, device):
+        return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)), ()
+
     F = torch.nn.functional
     return {
         # bytes per element of x: read x, write y (fwd); read x, dy, write dx (bwd); the
@@ -145,6 +148,12 @@ def _ops():
                                     # not V = 1: smoothing's gradient there cancels to 0 in float64, leaving
                                     # float32 rounding of terms the size of the weights (no relative error)
                                     check_sizes=[size for size in CHECK_SIZES if size[1] > 1]),
+        # gate and up (tokens x intermediate each): read both, write the output (fwd: 3 per
+        # position, 1.5 per input element); read dy, gate, up, write both gradients (bwd: 2.5)
+        "swiglu": Op(pintail.swiglu, lambda g, u: F.silu(g) * u, {"fwd": 1.5, "bwd": 2.5},
+                     (5632, 6144, 8192, 9216, 14336), rows=lambda N: 16384, make=gate_and_up),
+        "geglu": Op(pintail.geglu, lambda g, u: F.gelu(g, approximate="tanh") * u, {"fwd": 1.5, "bwd": 2.5},
+                    (9216, 16384), rows=lambda N: 16384, make=gate_and_up),
         # the GPU benchmark has its own protocol and heads (bench_heads.py): no sizes here
         "linear_cross_entropy": Op(pintail.linear_cross_entropy, lambda x, W, t: F.cross_entropy(F.linear(x, W), t),
                                    {}, (), make=head, check_sizes=[(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 3000)]),
@@ -154,7 +163,7 @@ def _ops():
     }
 
 
-DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary"]
+DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary", "swiglu"]
 OPTIONS_SOFTCAP = 30.0
 
 
@@ -163,7 +172,8 @@ def _parse(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
                    help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, cross_entropy_probs, "
-                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary, linear_cross_entropy: "
+                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary, swiglu, geglu, "
+                        "linear_cross_entropy: "
                         "its own protocol at real heads, written to heads.json and heads.md); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,

@@ -118,6 +118,21 @@ def test_opcheck_linear_cross_entropy(options, device, on_reference, monkeypatch
                 (torch.randn_like(rows), x, W, b, target, weight, stats, *options_args, True, True, b is not None))
 
 
+@pytest.mark.parametrize("case", ["separate", "views", "fused", "empty"])
+def test_opcheck_gated(case, device, on_reference):
+    for dtype in dtypes_of(on_reference):
+        for activation in (0, 1, 2):
+            M, N = (0 if case == "empty" else 5), 24
+            projection = torch.randn(M, 2 * N, dtype=dtype, device=device)
+            x, up = {"separate": (projection[:, :N].contiguous(), projection[:, N:].contiguous()),
+                     "views": (projection[:, :N], projection[:, N:]), "fused": (projection, None),
+                     "empty": (projection[:, :N].contiguous(), projection[:, N:].contiguous())}[case]
+            leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, up)]
+            opcheck(torch.ops.pintail.gated_forward.default, (*leaves, activation))
+            opcheck(torch.ops.pintail.gated_backward.default,
+                    (torch.randn(M, N, dtype=dtype, device=device), x, up, activation))
+
+
 @pytest.mark.parametrize("case", ["bshd", "bhsd", "transposed", "interleaved_partial", "positions", "k_absent"])
 def test_opcheck_rotary(case, device, on_reference):
     for dtype in dtypes_of(on_reference):
@@ -284,6 +299,21 @@ def test_compile_linear_cross_entropy(options, device, on_reference, monkeypatch
             return loss + (z * torch.logsumexp(logits, 1) ** 2 * kept).sum() / kept.sum()
 
         compiled_matches(ours, theirs, [x, W, b] if b is not None else [x, W, None])
+
+
+@pytest.mark.parametrize("kind", ["swiglu_views", "geglu_tanh", "swiglu_fused"])
+def test_compile_gated(kind, device, on_reference):
+    for dtype in compile_dtypes(on_reference):
+        projection = torch.randn(2, 5, 48, device=device).to(dtype).requires_grad_()
+        if kind == "swiglu_views":
+            compiled_matches(lambda p: pintail.swiglu(p[..., :24] * 2, p[..., 24:]),
+                             lambda p: F.silu(p[..., :24] * 2) * p[..., 24:], [projection])
+        elif kind == "geglu_tanh":
+            compiled_matches(lambda p: pintail.geglu(p[..., :24], p[..., 24:] * 2),
+                             lambda p: F.gelu(p[..., :24], approximate="tanh") * p[..., 24:] * 2, [projection])
+        else:
+            compiled_matches(lambda p: pintail.swiglu(p * 2), lambda p: F.silu(p[..., :24] * 2) * p[..., 24:] * 2,
+                             [projection])
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "transposed_view", "interleaved_partial", "positions"])
