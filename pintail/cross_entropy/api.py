@@ -395,7 +395,7 @@ class _TargetCheck:
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
-                  check_target=True, out_dtype=None):
+                  check_target=True, out_dtype=None, process_group=None):
     """torch.nn.functional.cross_entropy, with Triton kernels on CUDA, plus extras.
 
     Takes what torch takes: input (C), (N, C) or (N, C, d1, ...) with classes on dim 1;
@@ -430,9 +430,20 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
       never read out of bounds, and a row with an out-of-range target gets a NaN loss and a
       NaN gradient, so the error shows in the loss.
 
+    - process_group: the classes are split over the group's ranks (a vocabulary-parallel
+      head): input holds this rank's slice of the classes (the ranks' slices in rank order
+      make the vocabulary; sizes may differ), target the global class indices (the same on
+      every rank), weight the whole vocabulary's class weights. Every rank returns the loss
+      of the full logits and gets its slice of their gradient. Two all-reduces of 4 and 12
+      bytes a row; the slice sizes are gathered once per group and size. Class-index targets.
+
     Rows of (N, C, d1, ...) inputs are gathered into an (N*d1*..., C) copy (classes are not
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
+    if process_group is not None:
+        from .parallel import parallel_cross_entropy
+        return parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                      softcap, return_z_loss, return_lse, check_target, out_dtype, process_group)
     prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"pintail.cross_entropy: out_dtype must be None (the input's dtype) or torch.float32, "

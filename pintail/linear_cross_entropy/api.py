@@ -124,14 +124,16 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
 def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None,
               target: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, ignore_index: int,
               smoothing: float, z_scale: float, softcap: float, z_ratio: torch.Tensor | None,
-              memory_budget: int | None, need_input: bool, need_weight: bool, need_bias: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              memory_budget: int | None, need_input: bool, need_weight: bool, need_bias: bool,
+              first_class: int = 0, num_classes: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db) from the gradient of each row's loss (grad, shape (M,)), the logits
     recomputed chunk by chunk and their gradient written over them; a gradient not asked for
     is an empty tensor. dW's rows of a chunk come from one GEMM (summed in float32 by it); dx
-    is summed over the chunks in float32 for 16-bit x."""
+    is summed over the chunks in float32 for 16-bit x. The head's rows are classes
+    first_class ... of num_classes (-1: the head is the whole vocabulary)."""
     M, K = x.shape
     V = linear_weight.shape[0]
+    num_classes = V if num_classes < 0 else num_classes
     need_bias = need_bias and linear_bias is not None
     accumulates = _accumulates(x, need_input)
     columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates)
@@ -148,7 +150,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, 
     options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
     grad = grad.to(stats.dtype).expand(M)
     for start, stop, logits in _chunks(x, linear_weight, linear_bias, columns):
-        _gradient(logits, start, V, target, weight, weight_total, stats, grad, options)
+        _gradient(logits, first_class + start, num_classes, target, weight, weight_total, stats, grad, options)
         if need_input:
             _add_product(dx, logits, linear_weight[start:stop])
         if need_weight:
@@ -160,6 +162,29 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, 
 
 # ------------------------------------------------------------- torch.library and autograd
 # One path, eager and compiled: a call's host time is small beside its GEMMs.
+
+def _partials(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
+              weight: torch.Tensor | None, first_class: int, num_classes: int, smoothing: float, softcap: float,
+              memory_budget: int | None) -> torch.Tensor:
+    """Each row's running state (kernels.STATE_COLUMNS, float32) over the logits of this head's
+    rows, classes first_class ... of num_classes, chunk by chunk (a vocabulary-parallel head)."""
+    M, K = x.shape
+    compute = torch.promote_types(x.dtype, torch.float32)
+    state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
+    if M == 0:
+        return state
+    columns = plans.chunk_columns(M, linear_weight.shape[0], K, x.element_size(), memory_budget, accumulates=False)
+    weight_total = _weight_total(weight, smoothing, compute)
+    options = (-100, smoothing, 0.0, softcap, None)
+    for start, _, logits in _chunks(x, linear_weight, linear_bias, columns):
+        _fold(logits, first_class + start, num_classes, target, weight, weight_total, state, state, state, options,
+              start == 0, False)
+    return state
+
+
+_partials_op = torch.library.custom_op("pintail::linear_cross_entropy_partials", _partials, mutates_args=())
+_partials_op.register_fake(lambda x, *rest: x.new_empty(x.shape[0], STATE_COLUMNS,
+                                                         dtype=torch.promote_types(x.dtype, torch.float32)))
 
 _forward_op = torch.library.custom_op("pintail::linear_cross_entropy_forward", _forward, mutates_args=())
 
@@ -178,7 +203,7 @@ _backward_op = torch.library.custom_op("pintail::linear_cross_entropy_backward",
 @_backward_op.register_fake
 def _linear_cross_entropy_backward_fake(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index,
                                         smoothing, z_scale, softcap, z_ratio, memory_budget, need_input,
-                                        need_weight, need_bias):
+                                        need_weight, need_bias, first_class=0, num_classes=-1):
     """dx, dW, db like x, linear_weight and linear_bias, or empty where not asked for."""
     need_bias = need_bias and linear_bias is not None
     return (torch.empty_like(x) if need_input else x.new_empty(0),
@@ -292,7 +317,7 @@ def _autocast(input, linear_weight, linear_bias):
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, return_lse=False,
-                         memory_budget=None, check_target=True, out_dtype=None):
+                         memory_budget=None, check_target=True, out_dtype=None, process_group=None):
     """cross_entropy(linear(input, linear_weight, linear_bias), target, ...) without the logits.
 
     What torch.nn.functional.linear_cross_entropy returns (ignore_index=None means -100, as
@@ -318,13 +343,22 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       capture, its row's loss and gradient are NaN and nothing is read out of bounds.
     - Probability targets (floating point, shape (*, classes)) give torch's result through
       pintail.cross_entropy on the whole logits (held in memory).
+    - process_group: a column-parallel head split over the group's ranks: linear_weight and
+      linear_bias are this rank's rows (the ranks' rows in rank order make the vocabulary),
+      input the full hidden state and target the global class indices (both the same on
+      every rank), weight the whole vocabulary's class weights. Every rank returns the full
+      loss; dW and db are its rows' gradients, dx is summed over the ranks (an all-reduce of
+      (tokens, hidden) in the backward). Class-index targets.
     Gradients are computed only for the tensors that require them (a frozen head costs no
     dW GEMM). A second derivative raises.
     """
     ignore_index = -100 if ignore_index is None else ignore_index
     input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
-    prob_target = _check(input, linear_weight, target, linear_bias, weight, reduction, label_smoothing, z_loss,
-                         softcap, out_dtype)
+    parallel = process_group is not None
+    prob_target = _check(input, linear_weight, target, linear_bias, None if parallel else weight, reduction,
+                         label_smoothing, z_loss, softcap, out_dtype)
+    if parallel and prob_target:
+        raise ValueError(f"{NAME}: process_group takes class-index targets, got {target.dtype} probabilities")
     if weight is not None and weight.requires_grad and torch.is_grad_enabled() and not prob_target:
         raise RuntimeError(f"{NAME}: not differentiable with respect to weight for class-index targets (as torch's "
                            f"nll_loss); pass a weight that does not require grad")
@@ -346,8 +380,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     weight = weight.contiguous() if weight is not None else None
     target_check = None
     tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
+    if parallel:
+        from ..cross_entropy.parallel import vocabulary_slice
+        V = vocabulary_slice(process_group, V, NAME)[1]  # the whole vocabulary, for the target check
     if check_target and not tracing and M > 0:
-        if _on_kernels(x):
+        if _on_kernels(x) and not parallel:
             target_check = _TargetCheck(t, V, ignore_index, NAME)
         else:
             _check_target_values(t, V, ignore_index, NAME)
@@ -357,8 +394,14 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     z_ratio = reduce.z_ratio(z_loss)
     softcap = 0.0 if softcap is None else float(softcap)
     try:
-        rows, stats = _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, ignore_index,
-                                  float(label_smoothing), float(z_loss), softcap, z_ratio, memory_budget)
+        if parallel:
+            from ..cross_entropy.parallel import parallel_head_rows
+            options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
+            (rows, stats), _ = parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options,
+                                                  process_group, memory_budget, NAME)
+        else:
+            rows, stats = _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, ignore_index,
+                                      float(label_smoothing), float(z_loss), softcap, z_ratio, memory_budget)
     except BaseException:
         if target_check is not None:
             target_check.wait()

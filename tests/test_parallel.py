@@ -1,0 +1,117 @@
+"""Cross-entropy over a vocabulary split across processes (gloo, on this machine, through a
+file store: no network address): every rank's loss and gradient slice against the
+single-process float64 result on the full logits, with 2 and 3 ranks and uneven slices."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import pintail
+
+OPTIONS = [
+    {},
+    {"weight": True, "label_smoothing": 0.1},
+    {"reduction": "none", "z_loss": 1e-3, "softcap": 5.0},
+    {"reduction": "sum", "ignore_index": 4},
+    {"weight": True, "z_loss": 1e-2, "label_smoothing": 0.2},
+]
+SLICES = {2: [20, 30], 3: [10, 25, 15]}
+
+
+def composition(logits, t, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                softcap=None):
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(logits, t, weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        kept = (t != ignore_index).to(logits.dtype)
+        z_rows = z_loss * torch.logsumexp(logits, 1) ** 2 * kept
+        loss = loss + {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
+    return loss
+
+
+def _inputs(M, V, K, options):
+    generator = torch.Generator().manual_seed(0)  # the same on every rank
+    x = torch.randn(M, K, generator=generator)
+    W = torch.randn(V, K, generator=generator) / K**0.5
+    t = torch.randint(0, V, (M,), generator=generator)
+    t[1] = options.get("ignore_index", -100)
+    weight = torch.rand(V, generator=generator) + 0.1 if options.get("weight") else None
+    kwargs = {k: v for k, v in options.items() if k != "weight"}
+    return x, W, t, weight, kwargs
+
+
+def _refuse_reference():
+    """As conftest's forbid_reference, in a spawned rank: a kernel path must reach the kernels."""
+    import pintail.reference as reference
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch reference ran where a Triton kernel should have")
+
+    for name, value in list(vars(reference).items()):
+        if callable(value) and getattr(value, "__module__", None) == reference.__name__:
+            setattr(reference, name, refuse)
+
+
+def _worker(rank, world, store_path, kernels):
+    if kernels:
+        _refuse_reference()
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        sizes = SLICES[world]
+        start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
+        M, V, K = 7, sum(sizes), 12
+        for options in OPTIONS:
+            x, W, t, weight, kwargs = _inputs(M, V, K, options)
+            full = (x @ W.t()).double().requires_grad_()
+            want = composition(full, t, weight.double() if weight is not None else None, **kwargs)
+            upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            (want_grad,) = torch.autograd.grad(want, full, upstream)
+            # cross_entropy on this rank's slice of the logits
+            local = (x @ W[start:stop].t()).requires_grad_()
+            loss = pintail.cross_entropy(local, t, weight, process_group=group, **kwargs)
+            (grad,) = torch.autograd.grad(loss, local, upstream.float())
+            assert torch.allclose(loss.double(), want, rtol=2e-5, atol=1e-6), (options, loss, want)
+            assert torch.allclose(grad.double(), want_grad[:, start:stop], rtol=1e-4, atol=1e-6), options
+            # linear_cross_entropy on this rank's rows of the head; dx summed over the ranks
+            xs, Ws = x.clone().requires_grad_(), W[start:stop].clone().requires_grad_()
+            loss = pintail.linear_cross_entropy(xs, Ws, t, weight=weight, process_group=group, **kwargs)
+            dx, dW = torch.autograd.grad(loss, (xs, Ws), upstream.float())
+            x64, W64 = x.double().requires_grad_(), W.double().requires_grad_()
+            want = composition(x64 @ W64.t(), t, weight.double() if weight is not None else None, **kwargs)
+            want_dx, want_dW = torch.autograd.grad(want, (x64, W64), upstream)
+            assert torch.allclose(loss.double(), want, rtol=2e-5, atol=1e-6), (options, loss, want)
+            assert torch.allclose(dx.double(), want_dx, rtol=1e-4, atol=1e-6), options
+            assert torch.allclose(dW.double(), want_dW[start:stop], rtol=1e-4, atol=1e-6), options
+        # a weight of this rank's slice only: a clear error
+        local = torch.randn(3, sizes[rank])
+        try:
+            pintail.cross_entropy(local, torch.zeros(3, dtype=torch.long), torch.ones(sizes[rank]),
+                                  process_group=group)
+        except ValueError as error:
+            assert "one entry per class of the whole vocabulary" in str(error)
+        else:
+            raise AssertionError("a slice-sized weight was accepted")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_vocabulary_matches_full(world, tmp_path, on_reference):
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), not on_reference), nprocs=world, join=True)
+
+
+def test_needs_a_group_of_several(tmp_path):
+    with pytest.raises(ValueError, match="process_group needs torch.distributed initialised"):
+        pintail.cross_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), process_group=object())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="process_group has 1 rank"):
+            pintail.cross_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
