@@ -64,10 +64,18 @@ class LinearCrossEntropyLoss(torch.nn.LinearCrossEntropyLoss):
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm running pintail.rms_norm (same constructor, same state dict)."""
+    """torch.nn.RMSNorm running pintail.rms_norm (same constructor, same state dict), plus
+    what model norms need: weight_offset (y = x^ * (offset + weight), Gemma's 1 + weight,
+    all in float32) and out_dtype (y's dtype; default the input's)."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *,
+                 weight_offset=0.0, out_dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.weight_offset, self.out_dtype = weight_offset, out_dtype
 
     def forward(self, input):
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, weight_offset=self.weight_offset,
+                        out_dtype=self.out_dtype)
 
 
 class LayerNorm(torch.nn.LayerNorm):

@@ -477,6 +477,17 @@ def test_modules_drop_in(device):
         assert torch.allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
 
 
+def test_rms_norm_module_model_options(device):
+    """pintail.nn.RMSNorm's weight_offset (Gemma's 1 + weight) and out_dtype."""
+    norm = pintail.nn.RMSNorm(16, eps=1e-6, device=device, weight_offset=1.0, out_dtype=torch.float32)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 16, device=device).bfloat16()
+    y = norm(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, F.rms_norm(x.float(), (16,), norm.weight + 1.0, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_input(device):
     x = torch.randn(4, 8, device=device)
     cases = [

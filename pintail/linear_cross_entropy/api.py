@@ -1,5 +1,7 @@
 """linear_cross_entropy: argument checks, the chunk loops, the torch.library ops and autograd."""
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +85,10 @@ def _gradient(logits, start, V, target, weight, weight_total, stats, grad, optio
            num_warps=plans.GRADIENT_WARPS)
 
 
+# Whether cuBLAS takes 16-bit operands into a float32 output here (torch.addmm's out_dtype).
+_MIXED_GEMM = {"cuda": True}
+
+
 def _add_product(accumulator, a, b):
     """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b).
     Without a mixed-precision GEMM (the CPU) the operands go to float32 in slices of
@@ -90,7 +96,15 @@ def _add_product(accumulator, a, b):
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
     elif accumulator.is_cuda:
-        torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+        if _MIXED_GEMM["cuda"]:
+            try:
+                torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+                return
+            except (RuntimeError, TypeError) as error:  # refused before writing anything
+                _MIXED_GEMM["cuda"] = False
+                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); dx is summed "
+                              f"from 16-bit products of each chunk instead", stacklevel=2)
+        accumulator += torch.mm(a, b)  # each chunk's product rounded once, the sum in float32
     else:
         for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):
             stop = start + plans.CPU_ACCUMULATE_COLUMNS
