@@ -1,13 +1,15 @@
 """Train a randomly initialised Hugging Face causal LM with and without pintail.patch.
 
 The corpus is this repository's own text (its Python sources and Markdown), read as bytes:
-no download, no tokenizer. Both runs start from the same weights and see the same batches;
-each step prints both losses, tokens per second and peak GPU memory, then a summary table
-and (with matplotlib) a plot of the two loss curves.
+no download, no tokenizer. Every run (--providers: torch, compile, pintail, pintail+compile,
+liger) starts from the same weights and sees the same batches; each step prints its loss,
+tokens per second and peak GPU memory, then a summary table (median step after --warmup
+steps) and (with matplotlib) a plot of the loss curves.
 
     python examples/train_causal_lm.py --model llama --steps 20             # tiny, CPU or GPU
     TRITON_INTERPRET=1 python examples/train_causal_lm.py --steps 5         # kernels on a CPU
-    python examples/train_causal_lm.py --model llama --width 1b --batch 8 --seq 2048 --dtype bf16
+    python examples/train_causal_lm.py --model llama --width 1b --batch 8 --seq 2048 --dtype bf16 \
+        --steps 25 --warmup 5 --providers torch,compile,pintail,pintail+compile,liger
 """
 
 import argparse
@@ -74,12 +76,24 @@ def batches(text, batch, seq, steps, seed):
         yield torch.stack([text[s:s + seq] for s in starts.tolist()])
 
 
+def prepared(model, provider):
+    """The model as `provider` runs it."""
+    if provider in ("pintail", "pintail+compile"):
+        pintail.patch(model)
+    if provider == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        _apply_liger_kernel_to_instance(model=model)
+    if provider.endswith("compile"):
+        return torch.compile(model)
+    return model
+
+
 def train(model, text, args, label):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     cuda = text.is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    losses, rates = [], []
+    losses, seconds = [], []
     for step, ids in enumerate(batches(text, args.batch, args.seq, args.steps, args.seed)):
         if cuda:
             torch.cuda.synchronize()
@@ -89,13 +103,13 @@ def train(model, text, args, label):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()  # waits for the step
-        rate = ids.numel() / (time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
+        rate = ids.numel() / seconds[-1]
         losses.append(value)
-        rates.append(rate)
         peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "-"
-        print(f"{label:>9} step {step:3d}: loss {value:.4f}, {rate:,.0f} tokens/s, peak {peak}", flush=True)
+        print(f"{label:>15} step {step:3d}: loss {value:.4f}, {rate:,.0f} tokens/s, peak {peak}", flush=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return losses, rates, peak
+    return losses, seconds, peak
 
 
 def main(argv=None):
@@ -103,6 +117,9 @@ def main(argv=None):
     p.add_argument("--model", default="llama", choices=FAMILIES)
     p.add_argument("--width", default="tiny", choices=("tiny", "1b"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the median step time")
+    p.add_argument("--providers", default="torch,pintail",
+                   help="comma-separated: torch, compile, pintail, pintail+compile, liger (default %(default)s)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -116,20 +133,22 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = model_for(args.model, args.width, dtype, args.device)
     runs = {}
-    for label in ("torch", "pintail"):
-        # the same initial weights for both runs
-        copy_ = copy.deepcopy(model)
-        runs[label] = train(pintail.patch(copy_) if label == "pintail" else copy_, text, args, label)
-        del copy_
+    for provider in args.providers.split(","):
+        runs[provider] = train(prepared(copy.deepcopy(model), provider), text, args, provider)  # same start
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    warm = slice(min(3, args.steps - 1), None)  # tokens/s after the first steps (compilation)
+    warm = slice(min(args.warmup, args.steps - 1), None)  # steps after compilation and warm-up
+    tokens = args.batch * args.seq
     print(f"\n{args.model} ({args.width}, {args.dtype}), {args.batch} x {args.seq} tokens, {args.steps} steps, "
-          f"{args.device}\n")
-    print("| run | first loss | last loss | tokens/s (median after 3 steps) | peak memory |\n|---|---|---|---|---|")
-    for label, (losses, rates, peak) in runs.items():
-        tail = sorted(rates[warm])
-        print(f"| {label} | {losses[0]:.4f} | {losses[-1]:.4f} | {tail[len(tail) // 2]:,.0f} | "
+          f"{args.device}{', ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}\n")
+    print(f"| run | first loss | last loss | tokens/s (median step after {warm.start}) | vs {next(iter(runs))} | "
+          f"peak memory |\n|---|---|---|---|---|---|")
+    base = None
+    for label, (losses, seconds, peak) in runs.items():
+        tail = sorted(seconds[warm])
+        rate = tokens / tail[len(tail) // 2]
+        base = base or rate
+        print(f"| {label} | {losses[0]:.4f} | {losses[-1]:.4f} | {rate:,.0f} | {rate / base:.2f}x | "
               f"{f'{peak:.2f} GiB' if peak is not None else '-'} |")
     try:
         import matplotlib
