@@ -1,0 +1,22 @@
+"""examples/train_causal_lm.py runs as the README says, and its two runs agree."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+pytest.importorskip("transformers")
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_causal_lm.py"
+
+
+def test_train_causal_lm_runs(device, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_causal_lm", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--model", "qwen3", "--steps", "3", "--batch", "2", "--seq", "16", "--device", device.type,
+                         "--plot", str(tmp_path / "loss.png")]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| torch")
+            or line.startswith("| pintail")]
+    assert len(rows) == 2
+    first_losses, last_losses = {float(r[2]) for r in rows}, {float(r[3]) for r in rows}
+    assert len(first_losses) == 1 and len(last_losses) == 1, rows  # the same to 4 decimals
