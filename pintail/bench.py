@@ -1,7 +1,8 @@
 """python -m pintail.bench: the benchmark on a GPU, a kernel check on a CPU.
 
 On a GPU it follows ../shared/BENCHMARKS.md: measure the copy ceiling (y.copy_(x), 2^30
-bf16 elements), then for each op, direction and shape time pintail, PyTorch eager and
+bf16 elements), then for each op, direction and shape (BENCHMARKS.md's real model shapes;
+--suite sweep: each op's powers of two) time pintail, PyTorch eager and
 torch.compile(dynamic=False) with triton.testing.do_bench (median, L2 flushed), and report
 each as ms, TB/s and a fraction of the copy bandwidth of the same run. It prints a table and
 writes results.json and bandwidth.png into --out.
@@ -11,6 +12,7 @@ float64 torch, prints a pass/fail table, and exits non-zero on a failure.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -163,6 +165,26 @@ def _ops():
     }
 
 
+# BENCHMARKS.md's real model shapes: op -> (row lengths N, rows M for N). Hidden sizes of
+# Llama-3.2-1B/3B, Gemma-2-2B, Qwen2.5-7B, Llama-3-8B, Qwen-14B and 70B-class models at 16384
+# tokens, and the per-head q/k norm (16384 tokens x 32 heads rows of 128); vocabularies of
+# Llama-2, GPT-2, Llama-3, Qwen2, GPT-4o-style and Gemma at 8192 tokens; the MLP widths.
+HIDDEN = (2048, 2304, 3072, 3584, 4096, 5120, 7168, 8192)
+VOCABULARIES = (32000, 50257, 128256, 151936, 200064, 256000)
+
+
+def _norm_rows(N):
+    return 16384 * 32 if N == 128 else 16384
+
+
+MODEL_SHAPES = {
+    "rms_norm": ((128,) + HIDDEN, _norm_rows), "layer_norm": (HIDDEN, lambda N: 16384),
+    "rms_norm_residual": (HIDDEN, lambda N: 16384),
+    "cross_entropy": (VOCABULARIES, lambda N: 8192),
+    "softmax": ((2048, 4096, 128256), lambda N: 2**27 // N), "log_softmax": ((128256,), lambda N: 8192),
+    "swiglu": ((5632, 6144, 8192, 9216, 14336), lambda N: 16384), "geglu": ((9216, 16384), lambda N: 16384),
+}
+
 DEFAULT_OPS = ["softmax", "cross_entropy", "rms_norm", "layer_norm", "rms_norm_residual", "rotary", "swiglu"]
 OPTIONS_SOFTCAP = 30.0
 
@@ -179,6 +201,10 @@ def _parse(argv):
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
     p.add_argument("--sizes", default=None, help="comma-separated row lengths N (default: each op's own)")
+    p.add_argument("--suite", default="models", choices=("models", "sweep"),
+                   help="models: BENCHMARKS.md's real model shapes (default); sweep: each op's powers of two")
+    p.add_argument("--host-time", action="store_true",
+                   help="instead: the host time of one call on small tensors (8 x 1024), pintail against eager")
     p.add_argument("--elements", type=int, default=2**27, help="M*N per shape (default 2^27)")
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
     p.add_argument("--providers", default="pintail,eager,compile", help="default %(default)s")
@@ -251,6 +277,9 @@ def benchmark(args):
     copy_bw = _copy_bandwidth()
     print(f"copy ceiling: {copy_bw / 1e12:.2f} TB/s (y.copy_(x), 2^30 bf16 elements)", flush=True)
 
+    if args.suite == "models":
+        ops = {name: dataclasses.replace(op, sizes=MODEL_SHAPES[name][0], rows=MODEL_SHAPES[name][1])
+               if name in MODEL_SHAPES else op for name, op in ops.items()}
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
     wanted = args.directions.split(",") if args.directions else None
     plan = [(name, d, N) for name, op in ops.items() for d in op.directions if wanted is None or d in wanted
@@ -289,6 +318,42 @@ def benchmark(args):
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(table + "\n")
     _plot(results, copy_bw, os.path.join(args.out, "bandwidth.png"))
+    return 0
+
+
+def host_time(args):
+    """Wall time of one call on small tensors (8 x 1024) with the GPU idle, over 1000 calls
+    after 100, forward and forward + backward, pintail against torch eager (BENCHMARKS.md)."""
+    ops = _selected_ops(args, ",".join(DEFAULT_OPS))
+    ops.pop("linear_cross_entropy", None)
+    rows = []
+    for name, op in ops.items():
+        inputs, others = op.make(8, 1024, torch.bfloat16, "cuda")
+        for direction in ("fwd", "fwd+bwd"):
+            times = {}
+            for provider, fn in (("pintail", op.pintail), ("eager", op.torch)):
+                if direction == "fwd":
+                    step = lambda fn=fn: fn(*inputs, *others)  # noqa: E731
+                else:
+                    leaves = [t.detach().requires_grad_() for t in inputs]
+                    step = lambda fn=fn, leaves=leaves: torch.autograd.grad(  # noqa: E731
+                        [o.float().sum() for o in _outputs(fn(*leaves, *others))], leaves)
+                for _ in range(100):
+                    step()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(1000):
+                    step()
+                times[provider] = (time.perf_counter() - start) / 1000 * 1e6
+                torch.cuda.synchronize()
+            rows.append((name, direction, times["pintail"], times["eager"]))
+            print(f"{name} {direction}: pintail {times['pintail']:.1f} us, eager {times['eager']:.1f} us", flush=True)
+    table = ["| op | direction | pintail us | eager us | ratio |", "|---|---|---|---|---|"]
+    table += [f"| {n} | {d} | {p:.1f} | {e:.1f} | {p / e:.2f}x |" for n, d, p, e in rows]
+    print("\n" + "\n".join(table))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_time.md"), "w") as f:
+        f.write("\n".join(table) + "\n")
     return 0
 
 
@@ -418,7 +483,7 @@ def check_in_interpreter(args):
 def main(argv=None):
     args = _parse(argv)
     if torch.cuda.is_available():
-        return benchmark(args)
+        return host_time(args) if args.host_time else benchmark(args)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # Kernels choose interpreter or compiler when defined: start again with it set.
         os.environ["TRITON_INTERPRET"] = "1"
