@@ -20,12 +20,15 @@ sm = Op("softmax")
 ce = Op("cross_entropy")
 norm = Op("norm")
 rot = Op("rotary")
+lce = Op("linear_cross_entropy")
+gated = Op("gated")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
-                    "denom_ptr", "mass_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr"}
+                    "denom_ptr", "mass_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr", "state_ptr",
+                    "weight_total_ptr", "z_ratio_ptr"}
 EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
 NOT_16_DIVISIBLE = set()  # e.g. {"N", "x_row_stride"}: sizes Triton may not take as 16-divisible (rows of 9000)
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
@@ -174,6 +177,18 @@ def main():
                  "HAS_POS": interleaved, "BACKWARD": interleaved, "COPY_REST": interleaved,
                  "BLOCK_H": rot.HEADS_PER_STEP, "BLOCK_S": rot.TILE_FEATURES // 128, "BLOCK_P": 64,
                  "BLOCK_REST": 64}, rot.NUM_WARPS)
+    for flags in (False, True):  # linear_cross_entropy's chunk kernels, plain and with every option
+        options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags, "Z_RATIO": flags, "ALIGN": 1}
+        for first, last in ((True, False), (False, True)):
+            inspect(lce._fold_kernel, signature(lce._fold_kernel),
+                    {**options, "FIRST": first, "LAST": last, "BLOCK": lce.FOLD_BLOCK}, lce.FOLD_WARPS)
+        inspect(lce._gradient_kernel, signature(lce._gradient_kernel), {**options, "BLOCK": 2048},
+                lce.GRADIENT_WARPS)
+    for activation in (0, 1, 2):  # the gated activations: SiLU, GELU (tanh), GELU (erf)
+        for kernel in (gated._gated_forward_kernel, gated._gated_backward_kernel):
+            inspect(kernel, signature(kernel), {"ACTIVATION": activation, "BLOCK": gated.BLOCK, "ALIGN": 1},
+                    gated.NUM_WARPS)
+
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__).parse_args()
