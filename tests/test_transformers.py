@@ -223,3 +223,19 @@ def test_checkpointing_and_compile(mode, device):
     assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
     for name, p in patched.named_parameters():
         assert torch.allclose(p.grad, expected_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_autocast(family, device):
+    """Under autocast (float32 weights, bf16 compute) the patched model's loss is the
+    unpatched one's within bf16 rounding, and every parameter gets a float32 gradient."""
+    torch.manual_seed(6)
+    model = tiny_model(family).to(device)
+    patched = pintail.patch(copy.deepcopy(model))
+    ids, labels = batch(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        expected = model(input_ids=ids, labels=labels).loss
+        got = patched(input_ids=ids, labels=labels).loss
+    assert abs(got.item() - expected.item()) < 1e-2 * expected.item()
+    got.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in patched.parameters())
