@@ -87,6 +87,27 @@ def _worker(rank, world, store_path, kernels):
             assert torch.allclose(loss.double(), want, rtol=2e-5, atol=1e-6), (options, loss, want)
             assert torch.allclose(dx.double(), want_dx, rtol=1e-4, atol=1e-6), options
             assert torch.allclose(dW.double(), want_dW[start:stop], rtol=1e-4, atol=1e-6), options
+        # torch.compile(fullgraph=True) traces both (aot_eager: the graphs, forward and backward)
+        x, W, t, weight, kwargs = _inputs(M, V, K, OPTIONS[1])
+        full = (x @ W.t()).double().requires_grad_()
+        want = composition(full, t, weight.double(), **kwargs)
+        (want_grad,) = torch.autograd.grad(want, full)
+        local = (x @ W[start:stop].t()).requires_grad_()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda z: pintail.cross_entropy(z * 1, t, weight, process_group=group, **kwargs),
+                                 fullgraph=True, backend="aot_eager")
+        loss = compiled(local)
+        (grad,) = torch.autograd.grad(loss, local)
+        assert torch.allclose(loss.double(), want, rtol=2e-5) and torch.allclose(
+            grad.double(), want_grad[:, start:stop], rtol=1e-4, atol=1e-6)
+        Ws = W[start:stop].clone().requires_grad_()
+        compiled = torch.compile(lambda w: pintail.linear_cross_entropy(x, w * 1, t, weight=weight, process_group=group,
+                                                                        **kwargs), fullgraph=True, backend="aot_eager")
+        loss = compiled(Ws)
+        (dW,) = torch.autograd.grad(loss, Ws)
+        x64, W64 = x.double(), W.double().requires_grad_()
+        (want_dW,) = torch.autograd.grad(composition(x64 @ W64.t(), t, weight.double(), **kwargs), W64)
+        assert torch.allclose(dW.double(), want_dW[start:stop], rtol=1e-4, atol=1e-6)
         # a weight of this rank's slice only: a clear error
         local = torch.randn(3, sizes[rank])
         try:

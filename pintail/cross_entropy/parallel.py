@@ -12,6 +12,7 @@ gradient is its slice), and one all-reduce of dx for a column-parallel head.
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .._core.launch import as_rows
 from ..linear_cross_entropy.api import _fold, _gradient, _weight_total
@@ -22,15 +23,22 @@ _SLICES = {}
 
 def vocabulary_slice(group, local_classes: int, name: str) -> tuple[int, int]:
     """(this rank's first class, the whole vocabulary's size): the ranks' slice sizes in rank
-    order, gathered once per group and size (one host wait, then cached)."""
+    order, gathered once per group and size (one host wait, then cached; under torch.compile
+    at trace time, a constant of the graph)."""
     if group is None or not dist.is_initialized():
         raise ValueError(f"{name}: process_group needs torch.distributed initialised and a group, got {group!r}")
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError(f"{name}: process_group has {world} rank; call without process_group")
-    key = (id(group), local_classes)
+    return _gathered_slice(group.group_name, local_classes)
+
+
+@torch.compiler.assume_constant_result
+def _gathered_slice(group_name, local_classes):
+    key = (group_name, local_classes)
     if key not in _SLICES:
-        sizes = [None] * world
+        group = _resolve_process_group(group_name)
+        sizes = [None] * dist.get_world_size(group)
         dist.all_gather_object(sizes, local_classes, group=group)
         rank = dist.get_rank(group)
         _SLICES[key] = (sum(sizes[:rank]), sum(sizes))
