@@ -245,6 +245,52 @@ def _backward_of_op(ctx, grad, _stats):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
+def _keeps_logits(x, linear_weight, linear_bias, memory_budget):
+    """Whether the call keeps the whole logits from the forward to the backward (three GEMMs,
+    not four): eager, a gradient wanted, and a budget that holds them (plans.keeps_logits)."""
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x, linear_weight, linear_bias))
+    return (wants_grad and not torch.compiler.is_compiling()
+            and plans.keeps_logits(x.shape[0], linear_weight.shape[0], x.element_size(), memory_budget))
+
+
+class _KeptLogits(torch.autograd.Function):
+    """The budget holds the whole logits: the forward keeps them, and the backward writes
+    their gradient over them and takes dx, dW and db from it (three GEMMs, as the
+    composition, at the memory of one copy of the logits). Eager only: under torch.compile
+    the write into a tensor the forward kept would be copied by functionalization."""
+
+    @staticmethod
+    def forward(ctx, x, linear_weight, linear_bias, target, weight, options):
+        M, V = x.shape[0], linear_weight.shape[0]
+        compute = torch.promote_types(x.dtype, torch.float32)
+        loss, stats = x.new_empty(M, dtype=compute), x.new_empty(M, 2, dtype=compute)
+        state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
+        _, _, logits = next(_chunks(x, linear_weight, linear_bias, V))
+        _fold(logits, 0, V, target, weight, _weight_total(weight, options[1], compute), state, loss, stats, options,
+              True, True)
+        ctx.save_for_backward(x, linear_weight, target, weight, stats)
+        ctx.logits, ctx.options, ctx.has_bias = logits, options, linear_bias is not None
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        if ctx.logits is None:
+            raise RuntimeError(f"{NAME}: a second backward through a call whose memory_budget kept the logits "
+                               f"(their gradient was written over them); use a smaller budget with retain_graph")
+        x, linear_weight, target, weight, stats = ctx.saved_tensors
+        logits, ctx.logits = ctx.logits, None
+        options = ctx.options
+        _gradient(logits, 0, linear_weight.shape[0], target, weight, _weight_total(weight, options[1], stats.dtype),
+                  stats, grad.to(stats.dtype).expand(x.shape[0]), options)
+        need = ctx.needs_input_grad
+        dx = logits @ linear_weight if need[0] else None
+        dW = logits.t() @ x if need[1] else None
+        db = logits.sum(0, dtype=stats.dtype).to(linear_weight.dtype) if need[2] and ctx.has_bias else None
+        return (*no_second_derivative((dx, dW, db), x, linear_weight, grad), None, None, None)
+
+
 # ------------------------------------------------------------------------ public API
 
 
@@ -351,7 +397,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     - memory_budget: bytes of workspace (one chunk of logits in input's dtype, and the
       float32 (rows, hidden) sum of dx for 16-bit inputs): the widest chunks that fit.
       None: chunks of about 1/32 of the vocabulary. A budget that holds the whole logits
-      runs them as one chunk. Below the least workspace a call needs: ValueError.
+      keeps them from the forward to the backward in eager mode (three GEMMs, as the
+      composition; a second backward then raises), and runs them as one chunk under
+      torch.compile. Below the least workspace a call needs: ValueError.
     - check_target: an out-of-range class index raises IndexError in eager mode (a host
       wait for one small kernel); without the check, under torch.compile and in CUDA graph
       capture, its row's loss and gradient are NaN and nothing is read out of bounds.
@@ -413,6 +461,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
             (rows, stats), _ = parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options,
                                                   process_group, memory_budget, NAME)
+        elif _keeps_logits(x, linear_weight, linear_bias, memory_budget):
+            options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
+            rows, stats = _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, weight, options)
         else:
             rows, stats = _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, ignore_index,
                                       float(label_smoothing), float(z_loss), softcap, z_ratio, memory_budget)

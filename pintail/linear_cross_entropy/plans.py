@@ -57,3 +57,9 @@ def chunk_columns(M: int, V: int, K: int, element_size: int, budget: int | None,
     room = budget - accumulator_bytes(M, K, accumulates)
     columns = room // max(M * element_size, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
     return min(max(columns, MIN_CHUNK_COLUMNS), V)
+
+
+def keeps_logits(M: int, V: int, element_size: int, budget: int | None) -> bool:
+    """Whether a budget holds the whole logits (rows padded as buffer_columns), which the
+    forward then keeps for the backward (three GEMMs instead of four)."""
+    return budget is not None and M * buffer_columns(V) * element_size <= budget
