@@ -301,6 +301,31 @@ def _loss_and_stats(x, target, weight, options, reduce, inplace):
 # ------------------------------------------------------------------------ public API
 
 
+def check_loss_options(name, reduction, label_smoothing, z_loss, softcap):
+    """The options every cross-entropy entry point takes, checked as torch checks them."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"{name}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{name}: softcap must be None or > 0, got {softcap}")
+
+
+def check_class_weight(name, weight, C, device):
+    """Class weights: None, or a floating point (C,) tensor on `device`."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor) or weight.shape != (C,):
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"{name}: weight must have shape ({C},), one per class, got {shape}")
+    if weight.device != device:
+        raise ValueError(f"{name}: weight is on {weight.device}, expected input's device {device}")
+    if not weight.dtype.is_floating_point:
+        raise TypeError(f"{name}: weight must be floating point, got dtype {weight.dtype}")
+
+
 def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     """Validate the arguments as torch does; returns whether targets are probabilities."""
     name = "pintail.cross_entropy"
@@ -311,25 +336,11 @@ def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_lo
         raise TypeError(f"{name}: input must be floating point logits, got dtype {input.dtype}")
     if input.dim() == 0:
         raise ValueError(f"{name}: input must have shape (C), (N, C) or (N, C, d1, ...), got a 0-d tensor")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{name}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"{name}: z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"{name}: softcap must be None or > 0, got {softcap}")
+    check_loss_options(name, reduction, label_smoothing, z_loss, softcap)
     if target.device != input.device:
         raise ValueError(f"{name}: target is on {target.device}, expected input's device {input.device}")
     C = input.shape[0] if input.dim() == 1 else input.shape[1]
-    if weight is not None:
-        if not isinstance(weight, torch.Tensor) or weight.shape != (C,):
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"{name}: weight must have shape ({C},), one per class, got {shape}")
-        if weight.device != input.device:
-            raise ValueError(f"{name}: weight is on {weight.device}, expected input's device {input.device}")
-        if not weight.dtype.is_floating_point:
-            raise TypeError(f"{name}: weight must be floating point, got dtype {weight.dtype}")
+    check_class_weight(name, weight, C, input.device)
     prob_target = target.dtype.is_floating_point
     if prob_target:
         if target.shape != input.shape:

@@ -9,8 +9,7 @@ from .. import reference
 from .._core.launch import KERNEL_DTYPES, launch, no_second_derivative, row_alignment, runs_kernels
 from ..cross_entropy import cross_entropy
 from ..cross_entropy import plans as cross_entropy_plans
-from ..cross_entropy.api import _check_target_values, _Reduction, _TargetCheck
-from ..cross_entropy.kernels import REDUCTIONS
+from ..cross_entropy.api import _check_target_values, _Reduction, _TargetCheck, check_class_weight, check_loss_options
 from . import plans
 from .kernels import STATE_COLUMNS, _fold_kernel, _gradient_kernel
 
@@ -319,22 +318,8 @@ def _check(input, linear_weight, target, linear_bias, weight, reduction, label_s
             raise TypeError(f"{NAME}: {arg} has dtype {value.dtype}, expected input's dtype {input.dtype}")
     if linear_bias is not None and tuple(linear_bias.shape) != (V,):
         raise ValueError(f"{NAME}: linear_bias must have shape ({V},), got {tuple(linear_bias.shape)}")
-    if weight is not None:
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (V,):
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"{NAME}: weight must have shape ({V},), one per class, got {shape}")
-        if weight.device != input.device:
-            raise ValueError(f"{NAME}: weight is on {weight.device}, expected input's device {input.device}")
-        if not weight.dtype.is_floating_point:
-            raise TypeError(f"{NAME}: weight must be floating point, got dtype {weight.dtype}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{NAME}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{NAME}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"{NAME}: z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"{NAME}: softcap must be None or > 0, got {softcap}")
+    check_class_weight(NAME, weight, V, input.device)
+    check_loss_options(NAME, reduction, label_smoothing, z_loss, softcap)
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"{NAME}: out_dtype must be None (the input's dtype) or torch.float32, got {out_dtype}")
     if target.device != input.device:
