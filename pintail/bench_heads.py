@@ -31,7 +31,7 @@ def _providers(M, V, softcap):
         "eager": lambda x, W, t: _composition(x, W, t, softcap),
         "compile": torch.compile(lambda x, W, t: _composition(x, W, t, softcap), dynamic=False),
     }
-    if softcap is None:
+    if softcap is None and hasattr(F, "linear_cross_entropy"):  # torch 2.13 on
         options = torch.nn.LinearCrossEntropyOptions()
         providers["torch_chunked"] = lambda x, W, t: F.linear_cross_entropy(x, W, t, options=options)
     try:

@@ -38,7 +38,20 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
                              out_dtype=self.out_dtype)
 
 
-class LinearCrossEntropyLoss(torch.nn.LinearCrossEntropyLoss):
+class _LinearCrossEntropyLossBase(torch.nn.Module):
+    """torch.nn.LinearCrossEntropyLoss's constructor and state (`linear`, the `weight` buffer)
+    for a torch without it (before 2.13)."""
+
+    def __init__(self, in_features, num_classes, *, out_features=(), bias=False, device=None, dtype=None,
+                 reduction="mean", weight=None, ignore_index=None, label_smoothing=0.0, options=None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.reduction, self.num_classes, self.out_features = reduction, num_classes, out_features
+        self.ignore_index, self.label_smoothing, self.options = ignore_index, label_smoothing, options
+        self.linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+
+
+class LinearCrossEntropyLoss(getattr(torch.nn, "LinearCrossEntropyLoss", _LinearCrossEntropyLossBase)):
     """torch.nn.LinearCrossEntropyLoss running pintail.linear_cross_entropy: the same
     constructor (out_features () only) and state dict (the head is `linear`, a torch.nn.Linear;
     tie it to an embedding by assigning the embedding's weight to `linear.weight`), plus
