@@ -403,6 +403,11 @@ def test_module(device):
     assert torch.allclose(ours(x, t), expected, rtol=1e-5)
     with pytest.raises(ValueError, match="out_features must be"):
         pintail.nn.LinearCrossEntropyLoss(16, 50, out_features=(2,))
+    # the base taken on a torch without torch.nn.LinearCrossEntropyLoss keeps its state dict
+    weight = torch.rand(50, device=device)
+    stand_in = pintail.nn._LinearCrossEntropyLossBase(16, 50, bias=True, weight=weight, device=device)
+    assert stand_in.state_dict().keys() == torch.nn.LinearCrossEntropyLoss(16, 50, bias=True, weight=weight,
+                                                                           device=device).state_dict().keys()
 
 
 def test_autocast_casts_like_linear(device):
