@@ -26,21 +26,25 @@ def narrow_chunks(monkeypatch):
     monkeypatch.setattr(plans, "MIN_CHUNK_COLUMNS", 64)
 
 
-def composition(x, W, t, b=None, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-                z_loss=0.0, softcap=None):
-    """What linear_cross_entropy computes, as torch ops on the logits (in x's dtype)."""
-    logits = F.linear(x, W, b)
+def loss_of_logits(logits, t, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                   softcap=None):
+    """pintail's loss of (M, V) logits as torch ops (softcap first, z-loss a mean over kept rows)."""
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    V = W.shape[0]
-    logits, t = logits.reshape(-1, V), t.reshape(-1)
     loss = F.cross_entropy(logits, t, weight, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
     if z_loss:
         kept = (t != ignore_index).to(logits.dtype)
         z_rows = z_loss * torch.logsumexp(logits, 1) ** 2 * kept
         loss = loss + {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
-    return loss.reshape(x.shape[:-1]) if reduction == "none" else loss
+    return loss
+
+
+def composition(x, W, t, b=None, **options):
+    """What linear_cross_entropy computes, as torch ops on the logits (in x's dtype)."""
+    V = W.shape[0]
+    loss = loss_of_logits(F.linear(x, W, b).reshape(-1, V), t.reshape(-1), **options)
+    return loss.reshape(x.shape[:-1]) if options.get("reduction") == "none" else loss
 
 
 def relative_errors(got, want):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import pintail
+from test_linear_cross_entropy import loss_of_logits as composition
 
 OPTIONS = [
     {},
@@ -18,19 +18,6 @@ OPTIONS = [
     {"weight": True, "z_loss": 1e-2, "label_smoothing": 0.2},
 ]
 SLICES = {2: [20, 30], 3: [10, 25, 15]}
-
-
-def composition(logits, t, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                softcap=None):
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    loss = F.cross_entropy(logits, t, weight, ignore_index=ignore_index, reduction=reduction,
-                           label_smoothing=label_smoothing)
-    if z_loss:
-        kept = (t != ignore_index).to(logits.dtype)
-        z_rows = z_loss * torch.logsumexp(logits, 1) ** 2 * kept
-        loss = loss + {"none": z_rows, "sum": z_rows.sum(), "mean": z_rows.sum() / kept.sum()}[reduction]
-    return loss
 
 
 def _inputs(M, V, K, options):

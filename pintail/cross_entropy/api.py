@@ -404,6 +404,20 @@ class _TargetCheck:
             _check_target_values(self.target, self.C, self.ignore_index, self.name)
 
 
+def checked(target_check, compute):
+    """compute() between a _TargetCheck's launch and its finish (None: no check): the check is
+    waited for also when compute raises (its pinned count must outlive the kernel)."""
+    try:
+        result = compute()
+    except BaseException:
+        if target_check is not None:
+            target_check.wait()
+        raise
+    if target_check is not None:
+        target_check.finish()
+    return result
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None, return_z_loss=False, return_lse=False, inplace_backward=False,
                   check_target=True, out_dtype=None, process_group=None):
@@ -486,14 +500,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     z_ratio = reduce.z_ratio(z_loss)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target, z_ratio)
     # in place only over an intermediate (e.g. a matmul's output), never over a leaf the caller made
-    try:
-        loss, stats = _loss_and_stats(x, t, weight, options, reduce, inplace_backward and not input.is_leaf)
-    except BaseException:
-        if target_check is not None:
-            target_check.wait()
-        raise
-    if target_check is not None:
-        target_check.finish()
+    loss, stats = checked(target_check, lambda: _loss_and_stats(x, t, weight, options, reduce,
+                                                                inplace_backward and not input.is_leaf))
     outputs = [loss]
     lse = stats.detach().sum(1) if return_z_loss or return_lse else None
     if return_z_loss:

@@ -153,6 +153,32 @@ def _about_max(weighted_x, mass, running_max, anchor):
 
 
 @triton.jit
+def _store_row_loss(loss_ptr, stats_ptr, row, t, x_t, weight_ptr, running_max, running_sum, anchor, weighted_x,
+                    weight_total, V, ignore_index, smoothing, z_scale, z_ratio_ptr, HAS_WEIGHT: tl.constexpr,
+                    SMOOTH: tl.constexpr, Z_RATIO: tl.constexpr):
+    """A class-index row's loss (0 where ignored, NaN where its target is out of range) and its
+    (max, log-sum) from its folded sums (_fold_chunk), its target t, the target's logit x_t
+    and W = weight_total (read with SMOOTH only)."""
+    log_sum = tl.log2(running_sum) * LN2
+    lse = running_max + log_sum
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < V)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
+    loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
+    if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
+        loss += smoothing / V * (weight_total * log_sum - _about_max(weighted_x, weight_total, running_max, anchor))
+    loss = tl.where(ignored, 0.0, loss)
+    loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
+    tl.store(loss_ptr + row, loss)
+    tl.store(stats_ptr + 2 * row, running_max)
+    tl.store(stats_ptr + 2 * row + 1, log_sum)
+
+
+@triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
                     ignore_index, smoothing, z_scale, softcap, z_ratio_ptr, HAS_WEIGHT: tl.constexpr,
                     SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
@@ -193,32 +219,18 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stat
         v = _class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
         running_max, running_sum, anchor, weighted_x, weight_total = _fold_chunk(
             x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
-    log_sum = tl.log2(running_sum) * LN2
-    lse = running_max + log_sum
-
     t = tl.load(target_ptr + row).to(tl.int64)
-    ignored = t == ignore_index
-    in_range = (t >= 0) & (t < V)
-    x_t = tl.load(x_row + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
+    readable = (t >= 0) & (t < V) & (t != ignore_index)
+    x_t = tl.load(x_row + t, mask=readable, other=0.0).to(tl.float32)
     if SOFTCAP:
         x_t = _softcapped(x_t, softcap)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
-    loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
-    if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
+    if SMOOTH:
         if HAS_WEIGHT:
             tl.store(mass_ptr + row, weight_total)
         else:
             weight_total = V * 1.0
-        loss += smoothing / V * (weight_total * log_sum - _about_max(weighted_x, weight_total, running_max, anchor))
-    loss = tl.where(ignored, 0.0, loss)
-    loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
-    tl.store(loss_ptr + row, loss)
-    tl.store(stats_ptr + 2 * row, running_max)
-    tl.store(stats_ptr + 2 * row + 1, log_sum)
+    _store_row_loss(loss_ptr, stats_ptr, row, t, x_t, weight_ptr, running_max, running_sum, anchor, weighted_x,
+                    weight_total, V, ignore_index, smoothing, z_scale, z_ratio_ptr, HAS_WEIGHT, SMOOTH, Z_RATIO)
 
 
 @triton.jit
@@ -315,15 +327,8 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr,
     # 0 in an ignored row, NaN where the target is out of range
     g = tl.where(ignored, 0.0, tl.where(in_range, _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN),
                                          float("nan")))
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t, mask=in_range, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    # dloss/dx_k = g * (p_k * coef - hit [k == t] - spread * w_k)
-    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
-    if SMOOTH:
-        coef += smoothing / V * _weight_total(mass_ptr, row, V, HAS_WEIGHT)
-    coef, hit, spread = coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
+    coef, hit, spread = _gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale,
+                                          z_ratio_ptr, mass_ptr, row, V, HAS_WEIGHT, SMOOTH, Z_RATIO)
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
@@ -337,6 +342,22 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr,
             d_ends = _class_gradient(x_ends, ends_at, ends, target_at, row_max, log_sum, coef, hit, spread, softcap,
                                      weight_ptr + first, HAS_WEIGHT, SMOOTH, SOFTCAP)
             tl.store(dx_chunks + ends_at, d_ends.to(dx_ptr.dtype.element_ty), mask=ends)
+
+
+@triton.jit
+def _gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale, z_ratio_ptr, total_ptr,
+                      total_index, V, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, Z_RATIO: tl.constexpr):
+    """(coef, hit, spread) of a class-index row, each times its loss gradient g:
+    dloss/dx_k = p_k * coef - hit [k == t] - spread * w_k. W (smoothing with weights) is
+    total_ptr[total_index] (_weight_total)."""
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t, mask=in_range, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
+    if SMOOTH:
+        coef += smoothing / V * _weight_total(total_ptr, total_index, V, HAS_WEIGHT)
+    return coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
 
 
 @triton.jit

@@ -9,7 +9,8 @@ from .. import reference
 from .._core.launch import KERNEL_DTYPES, launch, no_second_derivative, row_alignment, runs_kernels
 from ..cross_entropy import cross_entropy
 from ..cross_entropy import plans as cross_entropy_plans
-from ..cross_entropy.api import _check_target_values, _Reduction, _TargetCheck, check_class_weight, check_loss_options
+from ..cross_entropy.api import (_check_target_values, _Reduction, _TargetCheck, check_class_weight, checked,
+                                 check_loss_options)
 from . import plans
 from .kernels import STATE_COLUMNS, _fold_kernel, _gradient_kernel
 
@@ -440,24 +441,18 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     reduce = _Reduction(reduction, t, weight, ignore_index, False, batch_shape, compute, loss_dtype)
     z_ratio = reduce.z_ratio(z_loss)
     softcap = 0.0 if softcap is None else float(softcap)
-    try:
+    options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
+
+    def rows_and_stats():
         if parallel:
             from ..cross_entropy.parallel import parallel_head_rows
-            options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
-            (rows, stats), _ = parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options,
-                                                  process_group, memory_budget, NAME)
-        elif _keeps_logits(x, linear_weight, linear_bias, memory_budget):
-            options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
-            rows, stats = _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, weight, options)
-        else:
-            rows, stats = _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, ignore_index,
-                                      float(label_smoothing), float(z_loss), softcap, z_ratio, memory_budget)
-    except BaseException:
-        if target_check is not None:
-            target_check.wait()
-        raise
-    if target_check is not None:
-        target_check.finish()
+            return parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options, process_group,
+                                      memory_budget, NAME)[0]
+        if _keeps_logits(x, linear_weight, linear_bias, memory_budget):
+            return _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, weight, options)
+        return _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, *options[:4], z_ratio, memory_budget)
+
+    rows, stats = checked(target_check, rows_and_stats)
     loss = reduce(rows).to(loss_dtype)
     if return_lse:
         return loss, stats.detach().sum(1).reshape(batch_shape).float()

@@ -6,15 +6,14 @@ import triton.language as tl
 
 from .._core.launch import aligned
 from ..cross_entropy.kernels import (
-    LN2,
-    _about_max,
     _class_gradient,
     _class_weights,
     _fold_chunk,
+    _gradient_factors,
     _logits,
     _softcapped,
+    _store_row_loss,
     _weight_total,
-    _z_scale,
 )
 
 # Columns of the running state a row carries from chunk to chunk (float32): the max, the sum
@@ -55,25 +54,11 @@ def _fold_kernel(x_ptr, x_row_stride, n, first_class, V, target_ptr, weight_ptr,
         x_t = _softcapped(x_t, softcap)
     target_x = tl.where(hit, x_t, target_x)
     if LAST:
-        log_sum = tl.log2(running_sum) * LN2
-        lse = running_max + log_sum
-        ignored = t == ignore_index
-        in_range = (t >= 0) & (t < V)
-        if HAS_WEIGHT:
-            w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
-        else:
-            w_t = 1.0
-        z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
-        loss = (1.0 - smoothing) * w_t * ((running_max - target_x) + log_sum) + z_scale * lse * lse
-        if SMOOTH:  # W lse - sum_j w_j x_j, over the whole vocabulary
+        weight_total = 0.0
+        if SMOOTH:  # W over the whole vocabulary
             weight_total = _weight_total(weight_total_ptr, 0, V, HAS_WEIGHT)
-            loss += smoothing / V * (weight_total * log_sum
-                                     - _about_max(weighted_x, weight_total, running_max, anchor))
-        loss = tl.where(ignored, 0.0, loss)
-        loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
-        tl.store(loss_ptr + row, loss)
-        tl.store(stats_ptr + 2 * row, running_max)
-        tl.store(stats_ptr + 2 * row + 1, log_sum)
+        _store_row_loss(loss_ptr, stats_ptr, row, t, target_x, weight_ptr, running_max, running_sum, anchor, weighted_x,
+                        weight_total, V, ignore_index, smoothing, z_scale, z_ratio_ptr, HAS_WEIGHT, SMOOTH, Z_RATIO)
     else:
         tl.store(state, running_max)
         tl.store(state + 1, running_sum)
@@ -102,14 +87,8 @@ def _gradient_kernel(x_ptr, x_row_stride, n, first_class, V, target_ptr, weight_
     log_sum = tl.load(stats_ptr + 2 * row + 1)
     g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
     g = tl.where(ignored, 0.0, tl.where(in_range, g, float("nan")))
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t, mask=in_range, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
-    if SMOOTH:
-        coef += smoothing / V * _weight_total(weight_total_ptr, 0, V, HAS_WEIGHT)
-    coef, hit, spread = coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
+    coef, hit, spread = _gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale,
+                                          z_ratio_ptr, weight_total_ptr, 0, V, HAS_WEIGHT, SMOOTH, Z_RATIO)
     x_row = x_ptr + row * x_row_stride
     x = tl.load(x_row + at, mask=mask, other=0.0).to(tl.float32)
     d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap,
