@@ -13,12 +13,36 @@ REDUCTIONS = ("none", "mean", "sum")
 
 
 @triton.jit
+def _tanh_and_slope(x, softcap):
+    """tanh(x / softcap) and 1 - tanh^2, each within about torch's float32 error, from exp2
+    (no libdevice in the interpreter). Below |y| = 0.55 an odd Taylor series, where
+    (1 - t) / (1 + t) with t = exp(-2 |y|) would lose the small result to cancellation; above,
+    that quotient, and the slope as 4 t / (1 + t)^2, where 1 - tanh^2 would cancel instead."""
+    y = x / softcap
+    a = tl.abs(y)
+    t = tl.exp2(a * (-2.0 * LOG2E))
+    one_plus_t = 1.0 + t
+    s = a * a
+    series = 6404582.0 / 10854718875.0
+    series = series * s - 929569.0 / 638512875.0
+    series = series * s + 21844.0 / 6081075.0
+    series = series * s - 1382.0 / 155925.0
+    series = series * s + 62.0 / 2835.0
+    series = series * s - 17.0 / 315.0
+    series = series * s + 2.0 / 15.0
+    series = series * s - 1.0 / 3.0
+    small = a + a * s * series
+    is_small = a < 0.55
+    tanh = tl.where(is_small, small, (1.0 - t) / one_plus_t)
+    slope = tl.where(is_small, (1.0 - small) * (1.0 + small), 4.0 * t / (one_plus_t * one_plus_t))
+    return tl.where(y < 0, -tanh, tanh), slope
+
+
+@triton.jit
 def _tanh_over(x, softcap):
-    """tanh(x / softcap) = 1 - 2 / (exp(2 x / softcap) + 1), from exp2 (no libdevice in the
-    interpreter). The reciprocal is rsqrt squared, a MUFU.RSQ and a multiply: a float32
-    quotient costs ~8 instructions with its range checks. exp(...) + 1 >= 1, inf gives 1."""
-    r = tl.math.rsqrt(tl.exp2(x * (2.0 * LOG2E / softcap)) + 1.0)
-    return 1.0 - 2.0 * r * r
+    """tanh(x / softcap) (the slope's arithmetic is left out by the compiler)."""
+    tanh, _ = _tanh_and_slope(x, softcap)
+    return tanh
 
 
 @triton.jit
@@ -366,7 +390,7 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
     """The gradient of logits x at classes `at` (from `weights`' class, where mask), the
     target at `target_at`, with the row's factors already times its loss gradient."""
     if SOFTCAP:
-        tanh = _tanh_over(x, softcap)
+        tanh, slope = _tanh_and_slope(x, softcap)
         x = softcap * tanh
     # x - max exact, as in the forward (logits of 1e4 keep their probabilities)
     p = tl.exp2((x - row_max) * LOG2E - log_sum * LOG2E)
@@ -377,7 +401,7 @@ def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread,
         else:
             d -= spread
     if SOFTCAP:
-        d *= 1.0 - tanh * tanh
+        d *= slope
     return d
 
 
@@ -421,7 +445,7 @@ def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coe
     g (p_k coef' - w_k y'_k), coef' = B + 2 z lse, times the softcap's derivative."""
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
     if SOFTCAP:
-        tanh = _tanh_over(x, softcap)
+        tanh, slope = _tanh_and_slope(x, softcap)
         x = softcap * tanh
     y = tl.load(y_chunks + at, mask=mask, other=0.0).to(tl.float32)
     y = y * ((1.0 - smoothing) * g) + smoothing / V * g
@@ -429,5 +453,5 @@ def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coe
         y *= _class_weights(weights, at, mask, True)
     d = tl.exp2((x - row_max) * LOG2E - log_sum * LOG2E) * coef - y
     if SOFTCAP:
-        d *= 1.0 - tanh * tanh
+        d *= slope
     return d

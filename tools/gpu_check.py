@@ -1,0 +1,143 @@
+"""Run the CUDA test suite on a GPU machine, one test file at a time, saving as it goes.
+
+    python tools/gpu_check.py [--part K/N] [--files a.py,b.py] [--workers W] [--out DIR]
+
+Each test file runs in its own pytest (`--device cuda`, W xdist workers) under a time limit;
+after each one the tool appends to DIR (default $OUT, else ./gpu-check-out):
+  failures.txt  one line per failed test: its id and the first line of its error
+  summary.txt   one line per file: passed / failed / errors / skipped counts and seconds
+  junit.tar     the file's junit XML, appended to one archive
+so that a run cut off midway still leaves what finished. `--part K/N` takes the K-th of N
+parts of the files, balanced by their measured cost, so the suite fits in several calls.
+
+On a machine without pytest (a bare GPU image), carry its wheels in ./device-wheels and the
+tool installs them into /tmp/pintail-site first. To fetch them (Python 3.12, x86-64):
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux2014_x86_64 -d device-wheels \\
+        pytest pluggy iniconfig pytest-xdist execnet
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / "device-wheels"
+SITE = Path("/tmp/pintail-site")
+
+# Seconds each file took on an H100 with 16 workers; a file not listed counts as 60.
+COST = {
+    "test_norm.py": 240, "test_cross_entropy.py": 150, "test_softmax.py": 120,
+    "test_compile.py": 120, "test_linear_cross_entropy.py": 90, "test_rotary.py": 60,
+    "test_transformers.py": 60,
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="1/1", help="K/N: run the K-th of N parts of the files")
+    parser.add_argument("--files", default="", help="comma-separated test files (default: all)")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="pytest-xdist workers a file (default: the cores, at most 16)")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds a file may take")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "gpu-check-out")))
+    parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
+    return parser.parse_args()
+
+
+def install_wheels(env):
+    """Put pytest and xdist on the path from the carried wheels when the image lacks them."""
+    if subprocess.run([sys.executable, "-c", "import pytest, xdist"], env=env,
+                      capture_output=True).returncode == 0:
+        return env
+    wheels = sorted(str(path) for path in WHEELS.glob("*.whl"))
+    if not wheels:
+        sys.exit(f"pytest or pytest-xdist is missing and {WHEELS} holds no wheels: see --help")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-compile", "--target", str(SITE), *wheels], check=True)
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH")])))
+
+
+def choose_files(args):
+    files = [name for name in args.files.split(",") if name] or \
+        sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
+    part, parts = (int(number) for number in args.part.split("/"))
+    if not 1 <= part <= parts:
+        sys.exit(f"--part {args.part}: expected K/N with 1 <= K <= N")
+    loads = [[] for _ in range(parts)]  # greedy: the costliest file to the lightest part
+    for name in sorted(files, key=lambda name: -COST.get(name, 60)):
+        min(loads, key=lambda load: sum(COST.get(n, 60) for n in load)).append(name)
+    return sorted(loads[part - 1], key=lambda name: -COST.get(name, 60))
+
+
+def first_line(element):
+    text = (element.get("message") or element.text or "").strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def record(out, name, xml_path, seconds, returncode):
+    counts = dict(passed=0, failed=0, errors=0, skipped=0)
+    failures = []
+    if xml_path.exists():
+        for case in ElementTree.parse(xml_path).iter("testcase"):
+            test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            outcome = "passed"
+            for tag, kind in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+                found = case.find(tag)
+                if found is not None:
+                    outcome = kind
+                    if kind != "skipped":
+                        failures.append(f"{test_id}: {first_line(found)}")
+                    break
+            counts[outcome] += 1
+        with tarfile.open(out / "junit.tar", "a") as archive:
+            archive.add(xml_path, arcname=xml_path.name)
+    else:
+        failures.append(f"tests/{name}: no junit XML (pytest exit {returncode}: timed out or crashed)")
+    with open(out / "failures.txt", "a") as stream:
+        stream.writelines(line + "\n" for line in failures)
+    line = (f"{name:32s} passed {counts['passed']:5d}  failed {counts['failed']:4d}  errors "
+            f"{counts['errors']:4d}  skipped {counts['skipped']:4d}  {seconds:6.0f} s  exit {returncode}")
+    with open(out / "summary.txt", "a") as stream:
+        stream.write(line + "\n")
+    print(line, flush=True)
+
+
+def main():
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1"))
+    scratch = Path("/tmp/pintail-junit")
+    scratch.mkdir(exist_ok=True)
+    for name in choose_files(args):
+        xml_path = scratch / name.replace(".py", ".xml")
+        xml_path.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "pytest", f"tests/{name}", "--device", "cuda",
+                   "-o", "addopts=", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
+                   "-n", str(args.workers), *args.pytest_args]
+        start = time.time()
+        with open(out / "log.txt", "a") as log:
+            log.write(f"\n==== {name}\n")
+            log.flush()
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log,
+                                       start_new_session=True)
+            try:
+                returncode = process.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:  # the xdist workers too: the whole group
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                returncode = "timeout"
+        record(out, name, xml_path, time.time() - start, returncode)
+
+
+if __name__ == "__main__":
+    main()
