@@ -35,6 +35,8 @@ def pytest_configure(config):
                                        "skipped on the reference path")
     config.addinivalue_line("markers", "gpu_only: a property only a GPU can show (races, cross-program "
                                        "waits, determinism across program orders); skipped on the CPU")
+    config.addinivalue_line("markers", "large: past 2^31 elements, GBs of GPU memory; tools/gpu_check.py runs "
+                                       "these one at a time")
     if config.getoption("fuzz_seeds"):  # one draw for the run: pytest-xdist's workers must agree
         os.environ.setdefault("PINTAIL_FUZZ_BASE", str(random.SystemRandom().randrange(2**63)))
     if reference_path(config):

@@ -151,6 +151,7 @@ def test_tensors_on_another_gpu_than_the_current_one(device):
             pintail.cross_entropy(x, torch.where(torch.arange(8, device=other) == 5, 40000, target))
 
 
+@pytest.mark.large
 def test_past_2_to_the_31_elements(device):
     """Row offsets in int64: a (8200, 262144) bf16 tensor has 2^31 + 2^21 elements."""
     if device.type != "cuda":

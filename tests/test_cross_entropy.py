@@ -799,6 +799,7 @@ def test_cuda_graph_training_step(device):
     assert_matches(dx, dx_truth, dx_truth.to(dx.dtype))
 
 
+@pytest.mark.large
 def test_past_2_to_the_31_elements_and_peak_memory(device):
     """(8200, 262144) bf16 logits: 2^31 + 2^21 elements. The forward and backward allocate
     nothing of the logits' size beyond the gradient (no float32 copy, no (M, V) temporaries)."""

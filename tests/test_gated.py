@@ -134,3 +134,25 @@ def test_bad_input(device):
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("kind,approximate", CASES[:2])
+def test_past_2_to_the_31_elements(kind, approximate, device):
+    """Offsets in int64: (8200, 262144) bf16 gate and up, 2^31 + 2^21 elements each; the first,
+    middle and last rows' values and gradients as float64 torch."""
+    if device.type != "cuda":
+        pytest.skip("needs 26 GB of GPU memory")
+    M, N = 8200, 262144
+    gate = torch.randn(M, N, device=device, dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn(M, N, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = ours(kind, approximate, gate, up)
+    dy = torch.randn_like(y)
+    dgate, dup = torch.autograd.grad(y, (gate, up), dy)
+    for r in (0, M // 2, M - 1):
+        g64, u64 = gate[r].detach().double().requires_grad_(), up[r].detach().double().requires_grad_()
+        want = truth(kind, approximate, g64, u64)
+        dg_truth, du_truth = torch.autograd.grad(want, (g64, u64), dy[r].double())
+        assert_matches(y[r], want, want.to(y.dtype))
+        assert_matches(dgate[r], dg_truth, dg_truth.to(y.dtype))
+        assert_matches(dup[r], du_truth, du_truth.to(y.dtype))

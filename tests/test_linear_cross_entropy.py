@@ -463,3 +463,37 @@ def test_budget_of_the_logits_keeps_them(dtype, device):
     assert len(gemms) == 3, record.ops
     with pytest.raises(RuntimeError, match="a second backward through a call whose memory_budget kept the logits"):
         torch.autograd.grad(loss, (x,))
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("budget", ["default", "logits"])
+def test_past_2_to_the_31_logits(budget, device):
+    """M V = 16400 x 131072 > 2^31 (the kept logits index past int32 under a budget of the
+    logits): per-row losses and dx of a few rows as float64, dW as a float32 sum over row
+    blocks (norm-wise)."""
+    if device.type != "cuda":
+        pytest.skip("needs 13 GB of GPU memory")
+    M, V, K = 16400, 131072, 64
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(V, K, device=device) / K**0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    t[M - 2] = -100
+    memory_budget = None if budget == "default" else M * V * 2
+    loss = pintail.linear_cross_entropy(x, W, t, reduction="none", memory_budget=memory_budget)
+    dy = torch.rand(M, device=device).to(loss.dtype)
+    dx, dW = torch.autograd.grad(loss, (x, W), dy)
+    for r in (0, M // 2, M - 2, M - 1):
+        row64 = x[r:r + 1].detach().double().requires_grad_()
+        truth = loss_of_logits(row64 @ W.detach().double().T, t[r:r + 1], reduction="none")
+        (dx_truth,) = torch.autograd.grad(truth, row64, dy[r:r + 1].double())
+        assert torch.allclose(loss[r:r + 1].double(), truth, rtol=1e-2, atol=1e-2), (r, loss[r], truth)
+        assert relative_errors(dx[r:r + 1], dx_truth)[0] < 2e-2, r
+    dW_truth = torch.zeros(V, K, device=device)
+    for start in range(0, M, 2048):
+        rows = slice(start, start + 2048)
+        logits = x[rows].detach().float() @ W.detach().float().T
+        kept = t[rows] != -100
+        g = torch.softmax(logits, 1)
+        g[kept.nonzero()[:, 0], t[rows][kept]] -= 1
+        dW_truth += (g * (dy[rows].float() * kept)[:, None]).T @ x[rows].detach().float()
+    assert relative_errors(dW, dW_truth)[0] < 2e-2

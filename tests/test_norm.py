@@ -533,6 +533,7 @@ def test_compile_fullgraph_and_opcheck(device):
         torch.ops.pintail.norm_forward.default(*args[:-1], False)[0].sum().backward()
 
 
+@pytest.mark.large
 @pytest.mark.parametrize("kind, N", [("rms", 262144), ("layer", 262144), ("layer", 32768)])
 def test_past_2_to_the_31_elements(kind, N, device):
     """Row offsets in int64: 2^31 + 2^21 bf16 elements, through the split plans (262144;

@@ -275,3 +275,25 @@ def test_bad_input(device):
     if device.type == "cuda":
         with pytest.raises(ValueError, match="expected one device"):
             pintail.rotary(q, cos.detach().cpu(), sin.cpu())
+
+
+@pytest.mark.large
+def test_past_2_to_the_31_elements(device):
+    """Row offsets in int64: (1, 131200, 128, 128) bf16 holds 2^31 + 2^21 elements; output and
+    gradient of the first and last tokens as the formula."""
+    if device.type != "cuda":
+        pytest.skip("needs 13 GB of GPU memory")
+    S, H, D = 131200, 128, 128
+    x = torch.randn(1, S, H, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = tables(S, D, device)
+    out = pintail.rotary(x, cos, sin, rotary_dim=D)
+    dy = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    for s in (0, S // 2, S - 1):
+        cos_row, sin_row = widen(cos[s:s + 1], False)[None].double(), widen(sin[s:s + 1], False)[None].double()
+        row64 = x[:, s:s + 1].detach().double().requires_grad_()
+        truth = hf_rotary(row64, cos_row, sin_row)
+        (dx_truth,) = torch.autograd.grad(truth, row64, dy[:, s:s + 1].double())
+        same = hf_rotary(x[:, s:s + 1].detach(), cos_row.to(x.dtype), sin_row.to(x.dtype))
+        assert_matches(out[:, s:s + 1], truth, same)
+        assert_matches(dx[:, s:s + 1], dx_truth, dx_truth.to(x.dtype))

@@ -8,7 +8,8 @@ after each one the tool appends to DIR (default $OUT, else ./gpu-check-out):
   summary.txt   one line per file: passed / failed / errors / skipped counts and seconds
   junit.tar     the file's junit XML, appended to one archive
 so that a run cut off midway still leaves what finished. `--part K/N` takes the K-th of N
-parts of the files, balanced by their measured cost, so the suite fits in several calls.
+parts of the files, balanced by their measured cost, so the suite fits in several calls;
+the last part ends with the tests marked `large` (GBs of GPU memory each), one at a time.
 
 On a machine without pytest (a bare GPU image), carry its wheels in ./device-wheels and the
 tool installs them into /tmp/pintail-site first. To fetch them (Python 3.12, x86-64):
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "device-wheels"
 SITE = Path("/tmp/pintail-site")
 
-# Seconds each file took on an H100 with 16 workers; a file not listed counts as 60.
+# Rough relative cost of each file on a GPU (kernels compiled, tests run); unlisted: 60.
 COST = {
     "test_norm.py": 240, "test_cross_entropy.py": 150, "test_softmax.py": 120,
     "test_compile.py": 120, "test_linear_cross_entropy.py": 90, "test_rotary.py": 60,
@@ -118,12 +119,15 @@ def main():
     env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1"))
     scratch = Path("/tmp/pintail-junit")
     scratch.mkdir(exist_ok=True)
-    for name in choose_files(args):
-        xml_path = scratch / name.replace(".py", ".xml")
+    stages = [(name, [f"tests/{name}", "-m", "not large", "-n", str(args.workers)])
+              for name in choose_files(args)]
+    if args.part.split("/")[0] == args.part.split("/")[1] and not args.files:
+        stages.append(("large", ["tests", "-m", "large", "-p", "no:xdist"]))  # GBs each: one at a time
+    for name, selection in stages:
+        xml_path = scratch / f"{name.removesuffix('.py')}.xml"
         xml_path.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "pytest", f"tests/{name}", "--device", "cuda",
-                   "-o", "addopts=", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
-                   "-n", str(args.workers), *args.pytest_args]
+        command = [sys.executable, "-m", "pytest", *selection, "--device", "cuda", "-o", "addopts=",
+                   "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}", *args.pytest_args]
         start = time.time()
         with open(out / "log.txt", "a") as log:
             log.write(f"\n==== {name}\n")
