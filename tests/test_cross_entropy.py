@@ -907,3 +907,43 @@ def test_module_takes_out_dtype(device):
     assert loss.dtype == torch.float32
     assert_matches(loss, F.cross_entropy(x.double(), target, label_smoothing=0.1),
                    scale=torch.logsumexp(x.double(), 1).abs().max().item())
+
+
+def test_out_of_range_target_in_a_cuda_graph(device):
+    """Under capture the target check is off: a replay with a class past the vocabulary gives
+    that row NaN (loss and gradient), the other rows their values, and the CUDA context
+    stays usable (no device-side assert, no wild read)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    M, V = 16, 5000
+    x = torch.randn(M, V, device=device, requires_grad=True)
+    t = class_targets(M, V, device, ignored=())
+    W = torch.randn(V, 32, device=device, requires_grad=True)
+    h = torch.randn(M, 32, device=device, requires_grad=True)
+
+    def step():
+        rows = pintail.cross_entropy(x, t, reduction="none")
+        head_rows = pintail.linear_cross_entropy(h, W, t, reduction="none")
+        return (rows, head_rows, *torch.autograd.grad((rows + head_rows).sum(), (x, h)))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows, head_rows, dx, dh = step()
+    t[3], t[7] = V, -5
+    graph.replay()
+    torch.cuda.synchronize()
+    bad = torch.zeros(M, dtype=torch.bool, device=device)
+    bad[[3, 7]] = True
+    for loss, grad in ((rows, dx), (head_rows, dh)):
+        assert torch.isnan(loss[bad]).all() and torch.isnan(grad[bad]).all()
+        assert torch.isfinite(loss[~bad]).all() and torch.isfinite(grad[~bad]).all()
+    good = (~bad).nonzero()[:, 0]
+    assert torch.allclose(rows[good], F.cross_entropy(x[good].detach(), t[good], reduction="none"), rtol=1e-5)
+    assert torch.allclose(head_rows[good], F.cross_entropy(h[good].detach() @ W.detach().T, t[good], reduction="none"),
+                          rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(torch.randn(4, device=device).sum()).item()  # the context still works
