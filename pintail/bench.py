@@ -7,8 +7,10 @@ torch.compile(dynamic=False) with triton.testing.do_bench (median, L2 flushed), 
 each as ms, TB/s and a fraction of the copy bandwidth of the same run. It prints a table and
 writes results.json and bandwidth.png into --out.
 
-Without a GPU it checks every op's kernels in the Triton interpreter at small sizes against
-float64 torch, prints a pass/fail table, and exits non-zero on a failure.
+Without a GPU (or with --check on one) it checks every op's kernels, forward and backward,
+at small ragged sizes against float64 torch (on a CPU in the Triton interpreter), prints a
+pass/fail table, and exits non-zero on a failure. On a GPU that check is what
+`compute-sanitizer --tool memcheck python -m pintail.bench --check` runs.
 """
 
 import argparse
@@ -209,6 +211,8 @@ def _parse(argv):
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
     p.add_argument("--providers", default="pintail,eager,compile", help="default %(default)s")
     p.add_argument("--out", default="bench-out", help="folder for results.json and bandwidth.png")
+    p.add_argument("--check", action="store_true",
+                   help="on a GPU too: the kernel check against float64 torch instead of the benchmark")
     return p.parse_args(argv)
 
 
@@ -431,11 +435,12 @@ def _relative_error(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-3 * b.numel() ** 0.5)).item()
 
 
-def check_in_interpreter(args):
-    """Every op's kernels, forward and backward, in the Triton interpreter at small sizes."""
+def check_kernels(args, device):
+    """Every op's kernels, forward and backward, at small sizes: on a CPU in the Triton
+    interpreter, on a GPU compiled."""
     import pintail.reference
     from ._core.launch import INTERPRET
-    assert INTERPRET, "the check must run the kernels in the interpreter"
+    assert INTERPRET or device == "cuda", "on a CPU the check must run the kernels in the interpreter"
 
     def refuse(*a, **k):
         raise RuntimeError("the torch reference ran instead of a kernel")
@@ -444,13 +449,14 @@ def check_in_interpreter(args):
         if callable(value) and getattr(value, "__module__", None) == pintail.reference.__name__:
             setattr(pintail.reference, name, refuse)
 
-    print("No GPU: checking every kernel in the Triton interpreter against float64 torch.", flush=True)
+    print("Checking every kernel against float64 torch " +
+          ("on the GPU." if device == "cuda" else "in the Triton interpreter (no GPU)."), flush=True)
     torch.manual_seed(0)  # the same inputs every run: a bar relative to torch's own error moves with the draw
     rows, failures = [], 0
     for name, op in _selected_ops(args, "all").items():
         for dtype in CHECK_TOLERANCE:
             for M, N in op.check_sizes or CHECK_SIZES:
-                inputs, others = op.make(M, N, dtype, "cpu")
+                inputs, others = op.make(M, N, dtype, device)
                 t0 = time.time()
                 try:
                     def run(fn, cast):  # outputs and input gradients, inputs (and float others) cast first
@@ -483,12 +489,14 @@ def check_in_interpreter(args):
 def main(argv=None):
     args = _parse(argv)
     if torch.cuda.is_available():
+        if args.check:
+            return check_kernels(args, "cuda")
         return host_time(args) if args.host_time else benchmark(args)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # Kernels choose interpreter or compiler when defined: start again with it set.
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "pintail.bench", *(argv or sys.argv[1:])])
-    return check_in_interpreter(args)
+    return check_kernels(args, "cpu")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run the CUDA test suite on a GPU machine, one test file at a time, saving as it goes.
 
     python tools/gpu_check.py [--part K/N] [--files a.py,b.py] [--workers W] [--out DIR]
+    python tools/gpu_check.py --sanitize [--out DIR]
 
 Each test file runs in its own pytest (`--device cuda`, W xdist workers) under a time limit;
 after each one the tool appends to DIR (default $OUT, else ./gpu-check-out):
@@ -10,6 +11,10 @@ after each one the tool appends to DIR (default $OUT, else ./gpu-check-out):
 so that a run cut off midway still leaves what finished. `--part K/N` takes the K-th of N
 parts of the files, balanced by their measured cost, so the suite fits in several calls;
 the last part ends with the tests marked `large` (GBs of GPU memory each), one at a time.
+
+--sanitize instead runs `python -m pintail.bench --check` (every op's kernels, forward and
+backward, at ragged sizes) under `compute-sanitizer --tool memcheck`, its report in
+DIR/sanitizer.txt; it exits non-zero on any error.
 
 On a machine without pytest (a bare GPU image), carry its wheels in ./device-wheels and the
 tool installs them into /tmp/pintail-site first. To fetch them (Python 3.12, x86-64):
@@ -50,6 +55,7 @@ def parse_args():
                         help="pytest-xdist workers a file (default: the cores, at most 16)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds a file may take")
     parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "gpu-check-out")))
+    parser.add_argument("--sanitize", action="store_true", help="the kernel check under compute-sanitizer")
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     return parser.parse_args()
 
@@ -112,10 +118,22 @@ def record(out, name, xml_path, seconds, returncode):
     print(line, flush=True)
 
 
+def sanitize(out):
+    command = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "50",
+               "--log-file", str(out / "sanitizer.txt"), sys.executable, "-m", "pintail.bench", "--check"]
+    with open(out / "log.txt", "a") as log:
+        returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=log).returncode
+    print(f"compute-sanitizer memcheck over the kernel check: exit {returncode} "
+          f"(0: no error and every check passed; 3: memcheck found errors)", flush=True)
+    return returncode
+
+
 def main():
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.sanitize:
+        return sanitize(out)
     env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1"))
     scratch = Path("/tmp/pintail-junit")
     scratch.mkdir(exist_ok=True)
@@ -144,4 +162,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
