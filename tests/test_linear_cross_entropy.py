@@ -15,15 +15,30 @@ import pintail
 from helpers import DTYPES, RTOL
 
 api = importlib.import_module("pintail.linear_cross_entropy.api")
+chunks = importlib.import_module("pintail.linear_cross_entropy.chunks")
 plans = importlib.import_module("pintail.linear_cross_entropy.plans")
 
 
 @pytest.fixture(autouse=True)
 def narrow_chunks(monkeypatch):
-    """Chunks of 64 classes (whole multiples of 64), so that the small vocabularies of these
-    tests take several chunks by default."""
+    """Chunks of 64 classes (whole multiples of 64) and of 8 rows, so that the small
+    vocabularies and batches of these tests take several chunks by default."""
     monkeypatch.setattr(plans, "CHUNK_MULTIPLE", 64)
     monkeypatch.setattr(plans, "MIN_CHUNK_COLUMNS", 64)
+    monkeypatch.setattr(plans, "TOKEN_ROWS", 8)
+    monkeypatch.setattr(plans, "MIN_TOKEN_ROWS", 4)
+
+
+def force_plan(monkeypatch, kind):
+    """Every call takes `kind` ("vocabulary" or "tokens") at its default width."""
+    real = plans.choose
+
+    def forced(M, V, K, element_size, budget, **flags):
+        if kind == "tokens":
+            return plans.Plan("tokens", min(M, plans.TOKEN_ROWS))
+        return plans.Plan("vocabulary", plans.chunk_columns(M, V, K, element_size, budget, flags["sums_dx"]))
+    monkeypatch.setattr(plans, "choose", forced)
+    return real
 
 
 def loss_of_logits(logits, t, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
@@ -109,8 +124,13 @@ def with_weight(options, V, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_matches_composition(dtype, options, bias, device):
-    M, K, V = 23, 40, 300  # chunks of 64: four whole, one of 44
+@pytest.mark.parametrize("plan", ["default", "vocabulary"])
+def test_matches_composition(dtype, options, bias, plan, device, monkeypatch):
+    """The default plan (token chunks for "mean" and "sum", vocabulary chunks for "none") and
+    the vocabulary chunks for every reduction."""
+    if plan != "default":
+        force_plan(monkeypatch, plan)
+    M, K, V = 23, 40, 300  # chunks of 64: four whole, one of 44; of 8 rows: two whole, one of 7
     options = with_weight(options, V, device)
     x = torch.randn(M, K, device=device).to(dtype).requires_grad_()
     W = (torch.randn(V, K, device=device) * 2 / K**0.5).to(dtype).requires_grad_()
@@ -144,21 +164,24 @@ def test_float64(device):
 
 
 @pytest.mark.kernels_only
-def test_kernels_run_once_a_chunk(device, monkeypatch):
-    """The forward launches the fold kernel once a chunk, the backward the gradient kernel
-    once a chunk, and nothing else pintail's."""
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_kernels_run_once_a_chunk(reduction, device, monkeypatch):
+    """Vocabulary chunks ("none"): the forward launches the fold kernel once a chunk, the
+    backward the gradient kernel once a chunk. Token chunks ("mean"): the forward launches
+    both once a chunk, the backward none. Nothing else pintail's."""
     launched = []
-    real_launch = api.launch
-    monkeypatch.setattr(api, "launch", lambda kernel, grid, *a, **k: (launched.append(kernel.__name__),
-                                                                      real_launch(kernel, grid, *a, **k)))
+    real_launch = chunks.launch
+    monkeypatch.setattr(chunks, "launch", lambda kernel, grid, *a, **k: (launched.append(kernel.__name__),
+                                                                         real_launch(kernel, grid, *a, **k)))
     M, K, V = 9, 32, 300
     x = torch.randn(M, K, device=device, requires_grad=True)
     W = torch.randn(V, K, device=device, requires_grad=True)
     t = torch.randint(0, V, (M,), device=device)
-    loss = pintail.linear_cross_entropy(x, W, t, check_target=False)
-    assert launched == ["_fold_kernel"] * 5
-    loss.backward()
-    assert launched == ["_fold_kernel"] * 5 + ["_gradient_kernel"] * 5
+    loss = pintail.linear_cross_entropy(x, W, t, reduction=reduction, check_target=False)
+    forward = ["_fold_kernel"] * 5 if reduction == "none" else ["_fold_kernel", "_gradient_kernel"] * 2
+    assert launched == forward
+    loss.sum().backward()
+    assert launched == forward + (["_gradient_kernel"] * 5 if reduction == "none" else [])
 
 
 def test_model_shapes_and_lse(device):
@@ -243,7 +266,7 @@ class RecordAllocations(TorchDispatchMode):
 
     def __enter__(self):
         # The interpreter copies a kernel's arguments (a GPU launch does not): not recorded.
-        self.real_launch = api.launch
+        self.real_launch = chunks.launch
 
         def launch(*args, **kwargs):
             self.paused = True
@@ -252,11 +275,11 @@ class RecordAllocations(TorchDispatchMode):
             finally:
                 self.paused = False
 
-        api.launch = launch
+        chunks.launch = launch
         return super().__enter__()
 
     def __exit__(self, *exc):
-        api.launch = self.real_launch
+        chunks.launch = self.real_launch
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -15,7 +15,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .._core.launch import as_rows
-from ..linear_cross_entropy.api import _fold, _gradient, _weight_total
+from ..linear_cross_entropy.chunks import fold, gradient, weight_total
 from ..linear_cross_entropy.kernels import STATE_COLUMNS
 
 _SLICES = {}
@@ -53,7 +53,7 @@ def local_state(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | No
     state = x.new_empty(x.shape[0], STATE_COLUMNS, dtype=compute)
     if x.shape[0] and x.shape[1]:
         options = (-100, smoothing, 0.0, softcap, None)
-        _fold(x, first_class, num_classes, target, weight, _weight_total(weight, smoothing, compute), state, state,
+        fold(x, first_class, num_classes, target, weight, weight_total(weight, smoothing, compute), state, state,
               state, options, True, False)
     elif x.shape[0]:
         state.copy_(torch.tensor([-float("inf"), 0.0, 0.0, 0.0, 0.0], dtype=compute))
@@ -76,7 +76,7 @@ def slice_gradient(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, we
     dx = x.clone(memory_format=torch.contiguous_format)
     if x.shape[0] and x.shape[1]:
         options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
-        _gradient(dx, first_class, num_classes, target, weight, _weight_total(weight, smoothing, stats.dtype), stats,
+        gradient(dx, first_class, num_classes, target, weight, weight_total(weight, smoothing, stats.dtype), stats,
                   grad.to(stats.dtype).expand(x.shape[0]), options)
     return dx
 
@@ -105,8 +105,8 @@ def combine(state, local_mass, target, weight, num_classes, group, ignore_index,
     z = z_scale * z_ratio if z_ratio is not None else z_scale
     rows = (1 - smoothing) * w_t * ((shift - target_logit) + log_sum) + z * lse * lse
     if smoothing > 0:
-        weight_total = weight.to(lse.dtype).sum() if weight is not None else num_classes
-        rows = rows + smoothing / num_classes * (weight_total * log_sum - about_max)
+        total_weight = weight.to(lse.dtype).sum() if weight is not None else num_classes
+        rows = rows + smoothing / num_classes * (total_weight * log_sum - about_max)
     rows = torch.where(ignored, 0.0, rows)
     rows = torch.where(in_range | ignored, rows, float("nan"))
     return rows, torch.stack([shift, log_sum], 1)

@@ -1,114 +1,16 @@
-"""linear_cross_entropy: argument checks, the chunk loops, the torch.library ops and autograd."""
-
-import warnings
+"""linear_cross_entropy: argument checks, the plans' loops, the torch.library ops and autograd."""
 
 import torch
 import torch.nn.functional as F
 
-from .. import reference
-from .._core.launch import KERNEL_DTYPES, launch, no_second_derivative, row_alignment, runs_kernels
+from .._core.launch import no_second_derivative
 from ..cross_entropy import cross_entropy
-from ..cross_entropy import plans as cross_entropy_plans
 from ..cross_entropy.api import (_check_target_values, _Reduction, _TargetCheck, check_class_weight, checked,
                                  check_loss_options)
-from . import plans
-from .kernels import STATE_COLUMNS, _fold_kernel, _gradient_kernel
+from . import chunks, plans, tokens
+from .kernels import STATE_COLUMNS
 
 NAME = "pintail.linear_cross_entropy"
-
-
-def _on_kernels(x):
-    return runs_kernels(x) and x.dtype in KERNEL_DTYPES
-
-
-def _accumulates(x, need_input):
-    """Whether dx is summed over the chunks in a float32 accumulator (16-bit inputs)."""
-    return need_input and x.element_size() < 4
-
-
-def _chunks(x, linear_weight, linear_bias, columns):
-    """(first class, past-last class, logits) of each chunk of `columns` classes in turn, the
-    logits x W[chunk]^T + b[chunk] written into one buffer that every chunk reuses."""
-    M, V = x.shape[0], linear_weight.shape[0]
-    buffer = torch.empty(M, plans.buffer_columns(columns), dtype=x.dtype, device=x.device)
-    for start in range(0, V, columns):
-        stop = min(start + columns, V)
-        logits = buffer[:, :stop - start]
-        head = linear_weight[start:stop].t()
-        if linear_bias is None:
-            torch.mm(x, head, out=logits)
-        else:
-            torch.addmm(linear_bias[start:stop], x, head, out=logits)
-        yield start, stop, logits
-
-
-def _weight_total(weight, smoothing, dtype):
-    """sum(weight) (0-d, on the device), which smoothing spreads over; None where not read."""
-    return weight.sum(dtype=dtype) if weight is not None and smoothing > 0 else None
-
-
-def _fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, first, last):
-    """Fold a chunk's logits into each row's state; the last chunk writes loss and stats."""
-    ignore_index, smoothing, z_scale, softcap, z_ratio = options
-    if not _on_kernels(logits):
-        z = z_scale * z_ratio if z_ratio is not None else z_scale
-        reference.linear_cross_entropy_fold(logits, start, V, target, weight, weight_total, state, loss, stats,
-                                            ignore_index, smoothing, z, softcap, first, last)
-        return
-    n = logits.shape[1]
-    placeholder = state
-    launch(_fold_kernel, (logits.shape[0],), logits, logits.stride(0), n, start, V, target,
-           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
-           state, loss, stats, z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing, z_scale,
-           softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0, FIRST=first, LAST=last,
-           Z_RATIO=z_ratio is not None, BLOCK=min(plans.FOLD_BLOCK, max(16, 1 << (n - 1).bit_length())),
-           ALIGN=row_alignment(n, logits.stride(0)), num_warps=plans.FOLD_WARPS)
-
-
-def _gradient(logits, start, V, target, weight, weight_total, stats, grad, options):
-    """Overwrite a chunk's logits with the gradient of the row losses (times grad) there."""
-    ignore_index, smoothing, z_scale, softcap, z_ratio = options
-    if not _on_kernels(logits):
-        z = z_scale * z_ratio if z_ratio is not None else z_scale
-        logits.copy_(reference.linear_cross_entropy_chunk_gradient(
-            logits, start, V, target, weight, weight_total, stats, grad, ignore_index, smoothing, z, softcap))
-        return
-    M, n = logits.shape
-    heavy = cross_entropy_plans._heavy_body(weight, smoothing, softcap)
-    block, blocks = cross_entropy_plans._backward_chunks(n, 0, heavy)
-    placeholder = stats
-    launch(_gradient_kernel, (M, blocks), logits, logits.stride(0), n, start, V, target,
-           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
-           stats, grad, grad.stride(0), z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing,
-           z_scale, softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0,
-           Z_RATIO=z_ratio is not None, BLOCK=block, ALIGN=row_alignment(n, logits.stride(0)),
-           num_warps=plans.GRADIENT_WARPS)
-
-
-# Whether cuBLAS takes 16-bit operands into a float32 output here (torch.addmm's out_dtype).
-_MIXED_GEMM = {"cuda": True}
-
-
-def _add_product(accumulator, a, b):
-    """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b).
-    Without a mixed-precision GEMM (the CPU) the operands go to float32 in slices of
-    plans.CPU_ACCUMULATE_COLUMNS columns of a, so that their copies stay small."""
-    if accumulator.dtype == a.dtype:
-        accumulator.addmm_(a, b)
-    elif accumulator.is_cuda:
-        if _MIXED_GEMM["cuda"]:
-            try:
-                torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
-                return
-            except (RuntimeError, TypeError) as error:  # refused before writing anything
-                _MIXED_GEMM["cuda"] = False
-                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); dx is summed "
-                              f"from 16-bit products of each chunk instead", stacklevel=2)
-        accumulator += torch.mm(a, b)  # each chunk's product rounded once, the sum in float32
-    else:
-        for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):
-            stop = start + plans.CPU_ACCUMULATE_COLUMNS
-            accumulator.addmm_(a[:, start:stop].to(accumulator.dtype), b[start:stop].to(accumulator.dtype))
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -128,10 +30,10 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
         return loss, stats
     columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates=False)
     state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
-    weight_total = _weight_total(weight, smoothing, compute)
+    weight_total = chunks.weight_total(weight, smoothing, compute)
     options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
-    for start, stop, logits in _chunks(x, linear_weight, linear_bias, columns):
-        _fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, start == 0, stop == V)
+    for start, stop, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
+        chunks.fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, start == 0, stop == V)
     return loss, stats
 
 
@@ -149,7 +51,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, 
     V = linear_weight.shape[0]
     num_classes = V if num_classes < 0 else num_classes
     need_bias = need_bias and linear_bias is not None
-    accumulates = _accumulates(x, need_input)
+    accumulates = chunks.accumulates(x, need_input)
     columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates)
     accumulates = accumulates and columns < V
     dx = x.new_zeros(M, K, dtype=torch.float32 if accumulates else x.dtype) if need_input else x.new_empty(0)
@@ -160,13 +62,13 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, 
         return dx.to(x.dtype), dW, db
     if not (need_input or need_weight or need_bias):
         return dx, dW, db
-    weight_total = _weight_total(weight, smoothing, stats.dtype)
+    weight_total = chunks.weight_total(weight, smoothing, stats.dtype)
     options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
     grad = grad.to(stats.dtype).expand(M)
-    for start, stop, logits in _chunks(x, linear_weight, linear_bias, columns):
-        _gradient(logits, first_class + start, num_classes, target, weight, weight_total, stats, grad, options)
+    for start, stop, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
+        chunks.gradient(logits, first_class + start, num_classes, target, weight, weight_total, stats, grad, options)
         if need_input:
-            _add_product(dx, logits, linear_weight[start:stop])
+            chunks.add_product(dx, logits, linear_weight[start:stop])
         if need_weight:
             torch.mm(logits.t(), x, out=dW[start:stop])
         if need_bias:
@@ -188,10 +90,10 @@ def _partials(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.T
     if M == 0:
         return state
     columns = plans.chunk_columns(M, linear_weight.shape[0], K, x.element_size(), memory_budget, accumulates=False)
-    weight_total = _weight_total(weight, smoothing, compute)
+    weight_total = chunks.weight_total(weight, smoothing, compute)
     options = (-100, smoothing, 0.0, softcap, None)
-    for start, _, logits in _chunks(x, linear_weight, linear_bias, columns):
-        _fold(logits, first_class + start, num_classes, target, weight, weight_total, state, state, state, options,
+    for start, _, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
+        chunks.fold(logits, first_class + start, num_classes, target, weight, weight_total, state, state, state, options,
               start == 0, False)
     return state
 
@@ -245,15 +147,6 @@ def _backward_of_op(ctx, grad, _stats):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
-def _keeps_logits(x, linear_weight, linear_bias, memory_budget):
-    """Whether the call keeps the whole logits from the forward to the backward (three GEMMs,
-    not four): eager, a gradient wanted, and a budget that holds them (plans.keeps_logits)."""
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (x, linear_weight, linear_bias))
-    return (wants_grad and not torch.compiler.is_compiling()
-            and plans.keeps_logits(x.shape[0], linear_weight.shape[0], x.element_size(), memory_budget))
-
-
 class _KeptLogits(torch.autograd.Function):
     """The budget holds the whole logits: the forward keeps them, and the backward writes
     their gradient over them and takes dx, dW and db from it (three GEMMs, as the
@@ -266,8 +159,8 @@ class _KeptLogits(torch.autograd.Function):
         compute = torch.promote_types(x.dtype, torch.float32)
         loss, stats = x.new_empty(M, dtype=compute), x.new_empty(M, 2, dtype=compute)
         state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
-        _, _, logits = next(_chunks(x, linear_weight, linear_bias, V))
-        _fold(logits, 0, V, target, weight, _weight_total(weight, options[1], compute), state, loss, stats, options,
+        _, _, logits = next(chunks.chunks(x, linear_weight, linear_bias, V))
+        chunks.fold(logits, 0, V, target, weight, chunks.weight_total(weight, options[1], compute), state, loss, stats, options,
               True, True)
         ctx.save_for_backward(x, linear_weight, target, weight, stats)
         ctx.logits, ctx.options, ctx.has_bias = logits, options, linear_bias is not None
@@ -282,7 +175,7 @@ class _KeptLogits(torch.autograd.Function):
         x, linear_weight, target, weight, stats = ctx.saved_tensors
         logits, ctx.logits = ctx.logits, None
         options = ctx.options
-        _gradient(logits, 0, linear_weight.shape[0], target, weight, _weight_total(weight, options[1], stats.dtype),
+        chunks.gradient(logits, 0, linear_weight.shape[0], target, weight, chunks.weight_total(weight, options[1], stats.dtype),
                   stats, grad.to(stats.dtype).expand(x.shape[0]), options)
         need = ctx.needs_input_grad
         dx = logits @ linear_weight if need[0] else None
@@ -344,7 +237,7 @@ def _check_budget(memory_budget, M, V, K, x, needs_input_grad):
         return
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
         raise TypeError(f"{NAME}: memory_budget must be None or an int (bytes), got {memory_budget!r}")
-    least = plans.minimum_budget(M, V, K, x.element_size(), _accumulates(x, needs_input_grad))
+    least = plans.minimum_budget(M, V, K, x.element_size(), chunks.accumulates(x, needs_input_grad))
     if memory_budget < least:
         raise ValueError(f"{NAME}: memory_budget={memory_budget} bytes is below the least this call needs, {least} "
                          f"bytes ({M} rows x {plans.MIN_CHUNK_COLUMNS} classes of logits, and a float32 (rows, "
@@ -352,13 +245,26 @@ def _check_budget(memory_budget, M, V, K, x, needs_input_grad):
 
 
 def _autocast(input, linear_weight, linear_bias):
-    """The inputs in autocast's dtype where autocast is on for their device, as F.linear."""
+    """The inputs in autocast's dtype where autocast is on for their device, as F.linear, and
+    the head's weight as given (the token-chunk plan casts a float32 one itself, so that its
+    dW sum is the weight's float32 gradient)."""
     device = input.device.type
     if not torch.is_autocast_enabled(device):
-        return input, linear_weight, linear_bias
+        return input, linear_weight, linear_bias, linear_weight
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
+    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
                  for t in (input, linear_weight, linear_bias))
+    return (*cast, linear_weight if linear_weight.dtype == torch.float32 else cast[1])
+
+
+def _plan(x, linear_weight, linear_bias, head_weight, reduction, memory_budget):
+    """The plan this call takes (plans.choose)."""
+    grad = torch.is_grad_enabled()
+    need = [grad and t is not None and t.requires_grad for t in (x, head_weight, linear_bias)]
+    (M, K), V = x.shape, linear_weight.shape[0]
+    return plans.choose(M, V, K, x.element_size(), memory_budget, gradients=any(need),
+                        uniform_rows=reduction != "none", can_keep=not torch.compiler.is_compiling(),
+                        sums_dx=need[0] and x.element_size() < 4, sums_dW=need[1] and head_weight.element_size() < 4)
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
@@ -401,7 +307,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     dW GEMM). A second derivative raises.
     """
     ignore_index = -100 if ignore_index is None else ignore_index
-    input, linear_weight, linear_bias = _autocast(input, linear_weight, linear_bias)
+    input, linear_weight, linear_bias, head_weight = _autocast(input, linear_weight, linear_bias)
     parallel = process_group is not None
     prob_target = _check(input, linear_weight, target, linear_bias, None if parallel else weight, reduction,
                          label_smoothing, z_loss, softcap, out_dtype)
@@ -432,7 +338,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         from ..cross_entropy.parallel import vocabulary_slice
         V = vocabulary_slice(process_group, V, NAME)[1]  # the whole vocabulary, for the target check
     if check_target and not tracing and M > 0:
-        if _on_kernels(x) and not parallel:
+        if chunks.on_kernels(x) and not parallel:
             target_check = _TargetCheck(t, V, ignore_index, NAME)
         else:
             _check_target_values(t, V, ignore_index, NAME)
@@ -448,8 +354,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             from ..cross_entropy.parallel import parallel_head_rows
             return parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options, process_group,
                                       memory_budget, NAME)[0]
-        if _keeps_logits(x, linear_weight, linear_bias, memory_budget):
+        plan = _plan(x, linear_weight, linear_bias, head_weight, reduction, memory_budget)
+        if plan.kind == "logits":
             return _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, weight, options)
+        if plan.kind == "tokens":
+            return tokens.rows_and_stats(x, head_weight.contiguous(), linear_bias, t, weight, options, plan.width)
         return _forward_op(x, linear_weight.contiguous(), linear_bias, t, weight, *options[:4], z_ratio, memory_budget)
 
     rows, stats = checked(target_check, rows_and_stats)

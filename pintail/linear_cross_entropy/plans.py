@@ -1,4 +1,17 @@
-"""Plans of linear_cross_entropy: how wide a vocabulary chunk a memory budget allows."""
+"""Plans of linear_cross_entropy, and which one a call takes within its memory budget:
+
+- logits: the whole (M, V) logits kept from the forward to the backward (eager only);
+  three GEMMs at full size.
+- tokens: m rows at a time over the whole vocabulary, the gradients made in the forward
+  (tokens.py); three GEMMs, m rows wide. Needs a float32 V x K sum of dW unless the head's
+  weight is float32 (then that sum is its gradient), and reduction "mean" or "sum".
+- vocabulary: chunks of classes for every row, the logits made again in the backward
+  (api.py); four GEMMs, the smallest workspace.
+`choose` takes the first that the budget holds, in that order: by GEMM count, and among
+three-GEMM plans the one with the widest GEMMs.
+"""
+
+import dataclasses
 
 from .._core.launch import cdiv
 
@@ -63,3 +76,41 @@ def keeps_logits(M: int, V: int, element_size: int, budget: int | None) -> bool:
     """Whether a budget holds the whole logits (rows padded as buffer_columns), which the
     forward then keeps for the backward (three GEMMs instead of four)."""
     return budget is not None and M * buffer_columns(V) * element_size <= budget
+
+
+# Token chunks: rows a chunk by default (the dW sum's re-reads, 8 V K bytes a chunk, stay
+# small beside the chunk's 6 m V K GEMM FLOPs from about 1000 rows), and the fewest rows
+# a budget may ask for.
+TOKEN_ROWS = 1024
+MIN_TOKEN_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    kind: str   # "logits", "tokens" or "vocabulary"
+    width: int  # rows a chunk (tokens), classes a chunk (vocabulary), V (logits)
+
+
+def token_workspace(rows: int, M: int, V: int, K: int, element_size: int, sums_dx: bool, sums_dW: bool) -> int:
+    """Bytes the token-chunk plan holds beyond the gradients: a chunk's logits, the float32
+    dx where dx is 16-bit, the float32 sum of dW where the head's weight is 16-bit."""
+    return rows * buffer_columns(V) * element_size + (M * K * 4 if sums_dx else 0) + (V * K * 4 if sums_dW else 0)
+
+
+def choose(M: int, V: int, K: int, element_size: int, budget: int | None, *, gradients: bool, uniform_rows: bool,
+           can_keep: bool, sums_dx: bool, sums_dW: bool) -> Plan:
+    """The plan a call takes. gradients: some gradient is wanted; uniform_rows: the row
+    losses' gradients are one value (reduction "mean" or "sum"); can_keep: the logits may be
+    kept across forward and backward (eager); sums_dx / sums_dW: dx is 16-bit / the head's
+    weight is 16-bit and its gradient wanted. budget None: the token-chunk plan at TOKEN_ROWS
+    rows where it serves, else vocabulary chunks of the default width."""
+    if gradients and can_keep and keeps_logits(M, V, element_size, budget):
+        return Plan("logits", V)
+    if gradients and uniform_rows and M > 0:
+        if budget is None:
+            return Plan("tokens", min(M, TOKEN_ROWS))
+        fixed = token_workspace(0, M, V, K, element_size, sums_dx, sums_dW)
+        rows = (budget - fixed) // max(buffer_columns(V) * element_size, 1)
+        if rows >= min(M, MIN_TOKEN_ROWS):
+            return Plan("tokens", min(M, rows))
+    return Plan("vocabulary", chunk_columns(M, V, K, element_size, budget, sums_dx and gradients))

@@ -1,0 +1,109 @@
+"""The vocabulary-chunk loop's pieces, which the token-chunk plan and the vocabulary-parallel
+head share: the logits of a chunk by GEMM into a reused buffer, the fold and gradient
+kernels over a chunk, and a GEMM summed into a float32 accumulator."""
+
+import warnings
+
+import torch
+
+from .. import reference
+from .._core.launch import KERNEL_DTYPES, launch, row_alignment, runs_kernels
+from ..cross_entropy import plans as cross_entropy_plans
+from . import plans
+from .kernels import _fold_kernel, _gradient_kernel
+
+NAME = "pintail.linear_cross_entropy"
+
+
+def on_kernels(x):
+    return runs_kernels(x) and x.dtype in KERNEL_DTYPES
+
+
+def accumulates(x, need_input):
+    """Whether dx is summed over the chunks in a float32 accumulator (16-bit inputs)."""
+    return need_input and x.element_size() < 4
+
+
+def chunks(x, linear_weight, linear_bias, columns):
+    """(first class, past-last class, logits) of each chunk of `columns` classes in turn, the
+    logits x W[chunk]^T + b[chunk] written into one buffer that every chunk reuses."""
+    M, V = x.shape[0], linear_weight.shape[0]
+    buffer = torch.empty(M, plans.buffer_columns(columns), dtype=x.dtype, device=x.device)
+    for start in range(0, V, columns):
+        stop = min(start + columns, V)
+        logits = buffer[:, :stop - start]
+        head = linear_weight[start:stop].t()
+        if linear_bias is None:
+            torch.mm(x, head, out=logits)
+        else:
+            torch.addmm(linear_bias[start:stop], x, head, out=logits)
+        yield start, stop, logits
+
+
+def weight_total(weight, smoothing, dtype):
+    """sum(weight) (0-d, on the device), which smoothing spreads over; None where not read."""
+    return weight.sum(dtype=dtype) if weight is not None and smoothing > 0 else None
+
+
+def fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, first, last):
+    """Fold a chunk's logits into each row's state; the last chunk writes loss and stats."""
+    ignore_index, smoothing, z_scale, softcap, z_ratio = options
+    if not on_kernels(logits):
+        z = z_scale * z_ratio if z_ratio is not None else z_scale
+        reference.linear_cross_entropy_fold(logits, start, V, target, weight, weight_total, state, loss, stats,
+                                            ignore_index, smoothing, z, softcap, first, last)
+        return
+    n = logits.shape[1]
+    placeholder = state
+    launch(_fold_kernel, (logits.shape[0],), logits, logits.stride(0), n, start, V, target,
+           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
+           state, loss, stats, z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing, z_scale,
+           softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0, FIRST=first, LAST=last,
+           Z_RATIO=z_ratio is not None, BLOCK=min(plans.FOLD_BLOCK, max(16, 1 << (n - 1).bit_length())),
+           ALIGN=row_alignment(n, logits.stride(0)), num_warps=plans.FOLD_WARPS)
+
+
+def gradient(logits, start, V, target, weight, weight_total, stats, grad, options):
+    """Overwrite a chunk's logits with the gradient of the row losses (times grad) there."""
+    ignore_index, smoothing, z_scale, softcap, z_ratio = options
+    if not on_kernels(logits):
+        z = z_scale * z_ratio if z_ratio is not None else z_scale
+        logits.copy_(reference.linear_cross_entropy_chunk_gradient(
+            logits, start, V, target, weight, weight_total, stats, grad, ignore_index, smoothing, z, softcap))
+        return
+    M, n = logits.shape
+    heavy = cross_entropy_plans._heavy_body(weight, smoothing, softcap)
+    block, blocks = cross_entropy_plans._backward_chunks(n, 0, heavy)
+    placeholder = stats
+    launch(_gradient_kernel, (M, blocks), logits, logits.stride(0), n, start, V, target,
+           weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
+           stats, grad, grad.stride(0), z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing,
+           z_scale, softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0,
+           Z_RATIO=z_ratio is not None, BLOCK=block, ALIGN=row_alignment(n, logits.stride(0)),
+           num_warps=plans.GRADIENT_WARPS)
+
+
+# Whether cuBLAS takes 16-bit operands into a float32 output here (torch.addmm's out_dtype).
+_MIXED_GEMM = {"cuda": True}
+
+
+def add_product(accumulator, a, b):
+    """accumulator += a @ b, summed in the accumulator's dtype (float32 for 16-bit a, b).
+    Without a mixed-precision GEMM (the CPU) the operands go to float32 in slices of
+    plans.CPU_ACCUMULATE_COLUMNS columns of a, so that their copies stay small."""
+    if accumulator.dtype == a.dtype:
+        accumulator.addmm_(a, b)
+    elif accumulator.is_cuda:
+        if _MIXED_GEMM["cuda"]:
+            try:
+                torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+                return
+            except (RuntimeError, TypeError) as error:  # refused before writing anything
+                _MIXED_GEMM["cuda"] = False
+                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); dx is summed "
+                              f"from 16-bit products of each chunk instead", stacklevel=2)
+        accumulator += torch.mm(a, b)  # each chunk's product rounded once, the sum in float32
+    else:
+        for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):
+            stop = start + plans.CPU_ACCUMULATE_COLUMNS
+            accumulator.addmm_(a[:, start:stop].to(accumulator.dtype), b[start:stop].to(accumulator.dtype))
