@@ -16,6 +16,7 @@ from helpers import DTYPES, RTOL
 
 api = importlib.import_module("pintail.linear_cross_entropy.api")
 chunks = importlib.import_module("pintail.linear_cross_entropy.chunks")
+tokens = importlib.import_module("pintail.linear_cross_entropy.tokens")
 plans = importlib.import_module("pintail.linear_cross_entropy.plans")
 
 
@@ -520,3 +521,93 @@ def test_past_2_to_the_31_logits(budget, device):
         g[kept.nonzero()[:, 0], t[rows][kept]] -= 1
         dW_truth += (g * (dy[rows].float() * kept)[:, None]).T @ x[rows].detach().float()
     assert relative_errors(dW, dW_truth)[0] < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("plan, gemms", [("tokens", 3), ("logits", 3), ("vocabulary", 4)])
+def test_gemm_flops_of_each_plan(dtype, plan, gemms, device):
+    """A forward and backward's matrix-product FLOPs: three times 2 M V K for the token
+    chunks and the kept logits, four for the vocabulary chunks (the logits twice). (A
+    dispatch mode sees into a plan's function, not into a torch.library op.)"""
+    M, K, V = 40, 24, 300
+    x = torch.randn(M, K, device=device).to(dtype).requires_grad_()
+    W = (torch.randn(V, K, device=device) / K**0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    grad = torch.ones(M, device=device)
+    options = (-100, 0.1, 0.0, 0.0, None)
+    with GemmFlops() as counter:
+        if plan == "tokens":
+            tokens._forward(x.detach(), W.detach(), None, t, None, *options, 16, True, True, False)
+        elif plan == "vocabulary":
+            _, stats = api._forward(x.detach(), W.detach(), None, t, None, *options, None)
+            api._backward(grad, x.detach(), W.detach(), None, t, None, stats, *options, None, True, True, False)
+        else:
+            budget = M * plans.buffer_columns(V) * x.element_size()
+            pintail.linear_cross_entropy(x, W, t, memory_budget=budget).backward()
+    assert counter.flops == gemms * 2 * M * V * K
+
+
+class GemmFlops(TorchDispatchMode):
+    """2 m n k of every matrix product (mm, addmm, in place or out= too) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2:] if name != "mm" else args[:2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.kernels_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [8, 16])
+def test_token_chunks_within_budget(dtype, rows, device):
+    """The token-chunk plan under a budget of `rows` rows of logits (and its float32 sums):
+    chunks of that many rows, and the bytes alive at once beyond the inputs and the
+    gradients within the budget (the hidden size small beside the vocabulary, as in a model,
+    so that the float32 sums leave the budget short of the whole logits)."""
+    M, K, V = 64, 8, 1000
+    x = torch.randn(M, K, device=device).to(dtype).requires_grad_()
+    W = (torch.randn(V, K, device=device) / K**0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    sums = dtype != torch.float32
+    budget = plans.token_workspace(rows, M, V, K, x.element_size(), sums, sums)
+    chosen = plans.choose(M, V, K, x.element_size(), budget, gradients=True, uniform_rows=True, can_keep=True,
+                          sums_dx=sums, sums_dW=sums)
+    assert chosen == plans.Plan("tokens", rows)
+    with RecordAllocations(x, W, t) as record:
+        loss = pintail.linear_cross_entropy(x, W, t, memory_budget=budget)
+        dx, dW = torch.autograd.grad(loss, (x, W))
+    assert all(elements < M * V for _, elements, _ in record.storages.values())
+    # the gradients in the inputs' dtype as they are returned, the rows' loss, stats and state,
+    # the unit gradient; on the CPU the float32 copies of the slices the sums are taken from
+    small = (M + V) * K * x.element_size() + M * 16 * 4 + 64
+    if sums and device.type == "cpu":
+        small += plans.CPU_ACCUMULATE_COLUMNS * (rows + V + K + rows) * 4
+    assert record.peak <= budget + small, (record.peak, budget, small)
+
+
+@pytest.mark.kernels_only
+def test_autocast_float32_head_keeps_no_other_weight_sized_sum(device):
+    """Autocast over a float32 head (the Trainer's mixed precision): the token-chunk plan's
+    dW sum is the float32 gradient itself. The only (V, K) tensors made are that gradient
+    and the 16-bit copy of the weight the GEMMs read (as F.linear's autocast makes)."""
+    M, K, V = 40, 24, 300
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    W = (torch.randn(V, K, device=device) / K**0.5).requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    with RecordAllocations(x, W, t) as record:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = pintail.linear_cross_entropy(x, W, t)
+        loss.backward()
+    weight_sized = [shape for _, _, shape in record.storages.values() if shape == (V, K)]
+    assert W.grad.dtype == torch.float32
+    assert len(weight_sized) == 2, record.storages
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        expected = F.cross_entropy(F.linear(x, W).float(), t)
+    (dW_expected,) = torch.autograd.grad(expected, W)
+    assert torch.allclose(W.grad, dW_expected, rtol=2e-2, atol=2e-2 * dW_expected.abs().max().item())

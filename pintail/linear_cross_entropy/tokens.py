@@ -93,6 +93,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dtypes = (x.dtype, linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
     ctx.save_for_backward(*output[2:], x, linear_weight, linear_bias)
     ctx.spent = False
+    ctx.set_materialize_grads(False)  # no zeros of dW's size for the outputs nothing reads
 
 
 def _backward(ctx, grad, _stats, _dx, _dW, _db):
