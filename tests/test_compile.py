@@ -116,6 +116,14 @@ def test_opcheck_linear_cross_entropy(options, device, on_reference, monkeypatch
         rows, stats = torch.ops.pintail.linear_cross_entropy_forward.default(x, W, b, target, weight, *options_args)
         opcheck(torch.ops.pintail.linear_cross_entropy_backward.default,
                 (torch.randn_like(rows), x, W, b, target, weight, stats, *options_args, True, True, b is not None))
+        # the token-chunk plan: chunks of 3 rows (two whole, one of 1), W float32 beside 16-bit x too
+        # (a function without autograd of its own: _TokenChunks differentiates it)
+        for head in {W, W.float()}:
+            opcheck(torch.ops.pintail.linear_cross_entropy_tokens.default,
+                    (x, head, b, target, weight, *options_args[:5], 3, True, True, b is not None))
+            sums = [torch.randn(M, K, device=device), torch.randn(*head.shape, device=device),
+                    torch.randn(V if b is not None else 0, device=device)]
+            opcheck(torch.ops.pintail.linear_cross_entropy_scale_.default, (*sums, torch.rand(M, device=device)))
 
 
 @pytest.mark.parametrize("case", ["separate", "views", "fused", "empty"])

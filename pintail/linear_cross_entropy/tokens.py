@@ -88,44 +88,53 @@ def _forward_fake(x, linear_weight, linear_bias, target, weight, ignore_index, s
             x.new_empty(V, dtype=dtype) if need_bias and linear_bias is not None else empty)
 
 
-def _setup_context(ctx, inputs, output):
-    x, linear_weight, linear_bias = inputs[:3]
-    ctx.dtypes = (x.dtype, linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
-    ctx.save_for_backward(*output[2:], x, linear_weight, linear_bias)
-    ctx.spent = False
-    ctx.set_materialize_grads(False)  # no zeros of dW's size for the outputs nothing reads
+@torch.library.custom_op("pintail::linear_cross_entropy_scale_", mutates_args=("dx", "dW", "db"))
+def _scale_(dx: torch.Tensor, dW: torch.Tensor, db: torch.Tensor, grad: torch.Tensor) -> None:
+    """dx *= grad (a row each), dW and db *= grad[0], in place (empty tensors skipped); under
+    torch.compile functionalized, and written in place again where nothing else reads them."""
+    if dx.numel():
+        dx.mul_(grad[:, None])
+    for total in (dW, db):
+        if total.numel() and grad.numel():  # no rows: the sums are 0 already
+            total.mul_(grad[:1])
 
 
-def _backward(ctx, grad, _stats, _dx, _dW, _db):
-    """The forward's gradients of the summed loss times the incoming row gradients: dx row by
-    row, dW and db by the one value every row's gradient has under "mean" and "sum"."""
-    if ctx.spent:
-        raise RuntimeError(f"{NAME}: a second backward through a token-chunk call (its gradients were scaled in "
-                           f"place); use reduction='none' or a memory_budget of the logits with retain_graph")
-    dx, dW, db, *sources = ctx.saved_tensors
-    x_dtype, w_dtype, b_dtype = ctx.dtypes
-    scale = grad[:1]
-    in_place = not torch.compiler.is_compiling()  # eager: no second V x K buffer
-    ctx.spent = in_place
-    need = ctx.needs_input_grad
-
-    def scaled(sum_, dtype, factor):
-        if not sum_.numel():
-            return None
-        out = sum_.mul_(factor) if in_place else sum_ * factor
-        return out.to(dtype)
-
-    grads = (scaled(dx, x_dtype, grad[:, None]) if need[0] else None,
-             scaled(dW, w_dtype, scale) if need[1] else None,
-             scaled(db, b_dtype, scale) if need[2] and b_dtype is not None else None)
-    return (*no_second_derivative(grads, *sources, grad), *[None] * 11)
+@_scale_.register_fake
+def _scale_fake(dx, dW, db, grad):
+    return None
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+class _TokenChunks(torch.autograd.Function):
+    """The row losses and stats from the forward op; its gradients of the summed loss kept
+    for the backward, which scales them by the incoming row gradients in place (dx row by
+    row, dW and db by the one value every row's gradient has under "mean" and "sum")."""
+
+    @staticmethod
+    def forward(ctx, x, linear_weight, linear_bias, target, weight, options, rows_per_chunk, need):
+        loss, stats, dx, dW, db = _forward_op(x, linear_weight, linear_bias, target, weight, *options,
+                                              rows_per_chunk, *need)
+        ctx.save_for_backward(dx, dW, db, x, linear_weight, linear_bias)
+        ctx.dtypes = (x.dtype, linear_weight.dtype, linear_bias.dtype if linear_bias is not None else None)
+        ctx.spent = False
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad, _stats):
+        if ctx.spent:
+            raise RuntimeError(f"{NAME}: a second backward through a token-chunk call (its gradients were scaled "
+                               f"in place); use reduction='none' or a memory_budget of the logits with retain_graph")
+        ctx.spent = True
+        dx, dW, db, *sources = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        _scale_(dx, dW, db, grad)
+        need = ctx.needs_input_grad
+        grads = (dx.to(x_dtype) if need[0] else None, dW.to(w_dtype) if need[1] else None,
+                 db.to(b_dtype) if need[2] and b_dtype is not None else None)
+        return (*no_second_derivative(grads, *sources, grad), None, None, None, None, None)
 
 
 def rows_and_stats(x, linear_weight, linear_bias, target, weight, options, rows_per_chunk):
     """The token-chunk plan's (row losses, stats), differentiable in x, the head and its bias."""
     need = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (x, linear_weight, linear_bias)]
-    loss, stats, *_ = _forward_op(x, linear_weight, linear_bias, target, weight, *options, rows_per_chunk, *need)
-    return loss, stats
+    return _TokenChunks.apply(x, linear_weight, linear_bias, target, weight, options, rows_per_chunk, need)
