@@ -216,10 +216,13 @@ def test_checkpointing_and_compile(mode, device):
         run = patched
     else:
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         run = torch.compile(patched, backend="aot_eager")
     patched.zero_grad()
     got = run(input_ids=ids, labels=labels)
     got.loss.backward()
+    if mode == "compile":  # pintail's ops trace: no graph break (transformers' own code makes none here)
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
     for name, p in patched.named_parameters():
         assert torch.allclose(p.grad, expected_grads[name], rtol=1e-4, atol=1e-6), name
@@ -281,3 +284,53 @@ def test_cuda_graph_training_step(device):
     assert torch.allclose(captured_loss, expected.loss, rtol=1e-5, atol=1e-6)
     for name, grad in expected_grads.items():
         assert torch.allclose(replayed[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item()), name
+
+
+class _CountAdds(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many elementwise additions of two tensors of the hidden states' shape run."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("add", "add_") and all(
+                isinstance(a, torch.Tensor) and tuple(a.shape) == self.shape for a in args[:2]):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma2"])
+def test_residual_adds_run_in_the_norms(family, device):
+    """With residual=True each decoder layer's add before a norm runs in the norm's kernel:
+    forward and backward of a patched model run at least two fewer additions of
+    hidden-state-sized tensors a layer (the add, and autograd's sum of the residual stream's
+    gradients) than with residual=False, with the same loss and gradients."""
+    torch.manual_seed(6)
+    model = tiny_model(family).to(device)
+    ids, labels = batch(device)
+    counts, results = [], []
+    for residual in (False, True):
+        patched = pintail.patch(copy.deepcopy(model), residual=residual)
+        with _CountAdds((*ids.shape, HIDDEN)) as adds:
+            results.append(loss_and_grads(patched, ids, labels))
+        counts.append(adds.count)
+    layers = model.config.num_hidden_layers
+    assert counts[1] <= counts[0] - 2 * layers, counts
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert torch.allclose(fused.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(fused_grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item()), name
+
+
+def test_layer_of_another_form_stays_with_a_warning(device, monkeypatch):
+    """A decoder layer whose forward is not the form pintail fuses keeps its own forward (a
+    warning names it); the rest of the patch applies."""
+    patch_module = importlib.import_module("pintail.transformers.patch")
+    monkeypatch.setitem(patch_module.LAYER_FORMS, "pre", ["return hidden_states"])
+    model = tiny_model("llama").to(device)
+    with pytest.warns(UserWarning, match="LlamaDecoderLayer.forward is not the form pintail fuses"):
+        pintail.patch(model)
+    layer = model.model.layers[0]
+    assert "forward" not in vars(layer) and "forward" in vars(layer.post_attention_layernorm)

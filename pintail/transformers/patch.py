@@ -1,7 +1,9 @@
 """pintail.patch: pintail's kernels in a Hugging Face causal language model, in place."""
 
+import ast
 import importlib
 import inspect
+import textwrap
 import types
 import warnings
 from dataclasses import dataclass
@@ -22,32 +24,47 @@ class Family:
     `norms`, each norm class name and its output rule (NORM_FORWARDS); `rotary`, whether its
     attention calls the module's apply_rotary_pos_emb; `mlp`, its gated MLP class and whether
     it projects gate and up apart ("separate": gate_proj, up_proj) or as one ("fused":
-    gate_up_proj, gate first); None for a plain MLP."""
+    gate_up_proj, gate first); None for a plain MLP; `layer`, its decoder layer class and the
+    form of its residual adds (LAYER_FORMS), None where no add feeds a norm (post-norm
+    OLMo 2, GPT-2 and GPT-NeoX's parallel blocks)."""
     module: str
     norms: dict
     rotary: bool = True
     mlp: tuple = None
+    layer: tuple = None
 
 
 # Qwen3's, OLMo 2's and Gemma 3's q/k norms are modules of their norm class: patched with the others.
 FAMILIES = {
-    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}, mlp=("LlamaMLP", "separate")),
-    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}, mlp=("MistralMLP", "separate")),
-    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}, mlp=("Qwen2MLP", "separate")),
-    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}, mlp=("Qwen3MLP", "separate")),
-    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}, mlp=("Phi3MLP", "fused")),
+    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}, mlp=("LlamaMLP", "separate"),
+                               layer=("LlamaDecoderLayer", "pre")),
+    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}, mlp=("MistralMLP", "separate"),
+                                 layer=("MistralDecoderLayer", "pre")),
+    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}, mlp=("Qwen2MLP", "separate"),
+                               layer=("Qwen2DecoderLayer", "pre")),
+    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}, mlp=("Qwen3MLP", "separate"),
+                               layer=("Qwen3DecoderLayer", "pre")),
+    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}, mlp=("Phi3MLP", "fused"),
+                              layer=("Phi3DecoderLayer", "pre_dropout")),
     "Olmo2ForCausalLM": Family("olmo2", {"Olmo2RMSNorm": "weight_then_cast"}, mlp=("Olmo2MLP", "separate")),
-    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}, mlp=("Gemma2MLP", "separate")),
-    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}, mlp=("Gemma3MLP", "separate")),
+    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}, mlp=("Gemma2MLP", "separate"),
+                                layer=("Gemma2DecoderLayer", "sandwich")),
+    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}, mlp=("Gemma3MLP", "separate"),
+                                layer=("Gemma3DecoderLayer", "sandwich")),
     "GPTNeoXForCausalLM": Family("gpt_neox", {"LayerNorm": "layer_norm"}),  # partial rotary
     "GPT2LMHeadModel": Family("gpt2", {"LayerNorm": "layer_norm"}, rotary=False),
 }
 
 
-def _cast_then_weight(self, x):
-    """Llama: weight * normalised(x).to(x.dtype), in the dtype those two promote to."""
-    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon,
-                    out_dtype=torch.promote_types(self.weight.dtype, x.dtype))
+def _sum_dtype(x, residual):
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _cast_then_weight(self, x, residual=None):
+    """Llama: weight * normalised(x).to(x.dtype), in the dtype those two promote to. With a
+    residual (a patched decoder layer): the norm of residual + x, and that sum."""
+    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon, residual=residual,
+                    out_dtype=torch.promote_types(self.weight.dtype, _sum_dtype(x, residual)))
 
 
 def _weight_then_cast(self, x):
@@ -55,9 +72,11 @@ def _weight_then_cast(self, x):
     return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
 
 
-def _one_plus_weight(self, x):
-    """Gemma: normalised(x) * (1 + weight), in float32, then x's dtype."""
-    return rms_norm(x, (x.shape[-1],), self.weight, self.eps, weight_offset=1.0)
+def _one_plus_weight(self, x, residual=None):
+    """Gemma: normalised(x) * (1 + weight), in float32, then x's dtype (with a residual as
+    _cast_then_weight)."""
+    return rms_norm(x, (x.shape[-1],), self.weight, self.eps, residual=residual, weight_offset=1.0,
+                    out_dtype=_sum_dtype(x, residual))
 
 
 def _layer_norm(self, x):
@@ -84,6 +103,75 @@ def _mlp_forward(form, act, options):
 
 NORM_FORWARDS = {"cast_then_weight": _cast_then_weight, "weight_then_cast": _weight_then_cast,
                  "one_plus_weight": _one_plus_weight, "layer_norm": _layer_norm}
+
+
+# The statements of a decoder layer's forward after its attention call, per form: the patch
+# fuses the add that feeds a norm into that norm's kernel, and leaves any other layer alone.
+LAYER_FORMS = {
+    "pre": ["hidden_states = residual + hidden_states", "residual = hidden_states",
+            "hidden_states = self.post_attention_layernorm(hidden_states)", "hidden_states = self.mlp(hidden_states)",
+            "hidden_states = residual + hidden_states", "return hidden_states"],
+    "pre_dropout": ["hidden_states = residual + self.resid_attn_dropout(hidden_states)", "residual = hidden_states",
+                    "hidden_states = self.post_attention_layernorm(hidden_states)",
+                    "hidden_states = self.mlp(hidden_states)",
+                    "hidden_states = residual + self.resid_mlp_dropout(hidden_states)", "return hidden_states"],
+    "sandwich": ["hidden_states = self.post_attention_layernorm(hidden_states)",
+                 "hidden_states = residual + hidden_states", "residual = hidden_states",
+                 "hidden_states = self.pre_feedforward_layernorm(hidden_states)",
+                 "hidden_states = self.mlp(hidden_states)", "hidden_states = self.post_feedforward_layernorm(hidden_states)",
+                 "hidden_states = residual + hidden_states", "return hidden_states"],
+}
+LAYER_HEAD = ["residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)"]
+
+
+def _layer_form_matches(layer_class, form) -> bool:
+    """Whether the layer's forward is, statement by statement, the form pintail rewrites: the
+    input norm, attention called with each of the layer's arguments by its own name, then
+    LAYER_FORMS[form]."""
+    function = inspect.unwrap(layer_class.forward)
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    except (OSError, TypeError, SyntaxError):
+        return False
+    body = [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
+    if [ast.unparse(stmt) for stmt in body[:2]] != LAYER_HEAD or len(body) != 3 + len(LAYER_FORMS[form]):
+        return False
+    call = body[2].value if isinstance(body[2], ast.Assign) else None
+    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "self.self_attn" and not call.args):
+        return False
+    passed = [k.arg or "**" + ast.unparse(k.value) for k in call.keywords]
+    if any(k.arg and ast.unparse(k.value) != k.arg for k in call.keywords):
+        return False
+    parameters = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    expected = [p.name if p.kind != p.VAR_KEYWORD else "**" + p.name for p in parameters]
+    return sorted(passed) == sorted(expected) and [ast.unparse(s) for s in body[3:]] == LAYER_FORMS[form]
+
+
+def _layer_forward(layer_class, form):
+    """The decoder layer's forward with the residual add before a norm fused into that
+    norm's kernel (rms_norm(..., residual=)): its backward adds the residual stream's
+    gradient in the same pass. Arguments go to attention by name, as the original passes them."""
+    signature = inspect.signature(inspect.unwrap(layer_class.forward))
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+
+    def forward(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        arguments.pop("self")
+        hidden_states = arguments.pop("hidden_states")
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        residual = hidden_states
+        attended = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **arguments, **extra)[0]
+        if form == "sandwich":
+            normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended),
+                                                              residual=residual)
+            return residual + self.post_feedforward_layernorm(self.mlp(normed))
+        if form == "pre_dropout":
+            attended = self.resid_attn_dropout(attended)
+        normed, residual = self.post_attention_layernorm(attended, residual=residual)
+        out = self.mlp(normed)
+        return residual + (self.resid_mlp_dropout(out) if form == "pre_dropout" else out)
+
+    return forward
 
 
 # How many forwards of attention modules patched for rotary are running (a recomputation by
@@ -199,7 +287,7 @@ def _fused_loss_forward(model, original, head, softcap):
     return forward
 
 
-def patch(model, *, norms=True, rotary=True, loss=True, mlp=True):
+def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True):
     """Run pintail's kernels inside a Hugging Face causal LM (in place; returns the model).
 
     - norms: each norm module of the family runs pintail.rms_norm / layer_norm with the
@@ -214,6 +302,9 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True):
     - mlp: the gated MLPs (SwiGLU, Gemma's tanh GeGLU, Phi-3's fused gate_up) run pintail.swiglu /
       geglu (a forward swap); an activation pintail does not have is left to torch, with a
       warning that names it.
+    - residual (with norms): in each decoder layer the residual add that feeds a norm runs in
+      that norm's kernel, forward and backward (a forward swap of the layer); a layer whose
+      forward differs from the form pintail rewrites stays as it is, with a warning.
     Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
     does not find, raises before anything is changed. Patching twice changes nothing more.
     """
@@ -222,7 +313,8 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True):
     if family is None:
         raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
     done = getattr(model, "_pintail_patched", set())
-    wanted = {part for part, on in (("norms", norms), ("rotary", rotary), ("loss", loss), ("mlp", mlp)) if on} - done
+    parts = (("norms", norms), ("rotary", rotary), ("loss", loss), ("mlp", mlp), ("residual", residual and norms))
+    wanted = {part for part, on in parts if on} - done
     modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
     changes = []
     if "norms" in wanted:
@@ -232,6 +324,18 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True):
         for m in found:
             forward = types.MethodType(NORM_FORWARDS[family.norms[type(m).__name__]], m)
             changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    if "residual" in wanted and family.layer is not None:
+        layer_class, form = family.layer
+        found = [m for m in model.modules() if type(m).__name__ == layer_class]
+        if not found:
+            raise RuntimeError(f"pintail.patch: {name} has no {layer_class} module to patch")
+        if _layer_form_matches(type(found[0]), form):
+            layer_forward = _layer_forward(type(found[0]), form)
+            for m in found:
+                changes.append(lambda m=m, f=layer_forward: setattr(m, "forward", types.MethodType(f, m)))
+        else:
+            warnings.warn(f"pintail.patch: {name}'s {layer_class}.forward is not the form pintail fuses ({form}); "
+                          f"its residual adds stay on torch", stacklevel=2)
     if "mlp" in wanted and family.mlp is not None:
         mlp_class, form = family.mlp
         found = [m for m in model.modules() if type(m).__name__ == mlp_class]
