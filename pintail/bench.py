@@ -1,7 +1,7 @@
 """python -m pintail.bench: the benchmark on a GPU, a kernel check on a CPU.
 
-On a GPU it follows ../shared/BENCHMARKS.md: measure the copy ceiling (y.copy_(x), 2^30
-bf16 elements), then for each op, direction and shape (BENCHMARKS.md's real model shapes;
+On a GPU it follows benchmarks/README.md's protocol: measure the copy ceiling (y.copy_(x), 2^30
+bf16 elements), then for each op, direction and shape (the benchmark protocol's (benchmarks/README.md) real model shapes;
 --suite sweep: each op's powers of two) time pintail, PyTorch eager and
 torch.compile(dynamic=False) with triton.testing.do_bench (median, L2 flushed), and report
 each as ms, TB/s and a fraction of the copy bandwidth of the same run. It prints a table and
@@ -84,7 +84,7 @@ def _ops():
         return F.cross_entropy(OPTIONS_SOFTCAP * torch.tanh(x / OPTIONS_SOFTCAP), t, w, label_smoothing=0.1)
 
     def attention_heads(M, N, dtype, device):
-        """BENCHMARKS.md: q (8, 32, seq, 128), k (8, 8, seq, 128), (batch, heads, seq, dim); seq = N;
+        """benchmarks/README.md: q (8, 32, seq, 128), k (8, 8, seq, 128), (batch, heads, seq, dim); seq = N;
         M caps the batch (small in the CPU check)."""
         batch = min(M, 8)
         q = torch.randn(batch, 32, N, 128, device=device, dtype=dtype)
@@ -118,7 +118,7 @@ def _ops():
     F = torch.nn.functional
     return {
         # bytes per element of x: read x, write y (fwd); read x, dy, write dx (bwd); the
-        # weight's N elements are not counted (small vectors ignored, BENCHMARKS.md)
+        # weight's N elements are not counted (small vectors ignored, benchmarks/README.md)
         "rms_norm": Op(lambda x, w: pintail.rms_norm(x, (x.shape[-1],), w),
                        lambda x, w: F.rms_norm(x, (x.shape[-1],), w), {"fwd": 2, "bwd": 3}, norm_sizes,
                        make=rows_and_weight),
@@ -134,7 +134,7 @@ def _ops():
                       {"fwd": 2, "bwd": 3}, norm_sizes),
         "log_softmax": Op(lambda x: pintail.log_softmax(x, -1), lambda x: torch.log_softmax(x, -1),
                           {"fwd": 2, "bwd": 3}, norm_sizes),
-        # BENCHMARKS.md: M = 4096 rows; 128256 and 151936 are real vocabularies (Llama 3, Qwen 2)
+        # benchmarks/README.md: M = 4096 rows; 128256 and 151936 are real vocabularies (Llama 3, Qwen 2)
         "cross_entropy": Op(pintail.cross_entropy, torch.nn.functional.cross_entropy,
                             {"fwd": 1, "fwd+bwd": 3}, (32768, 128256, 131072, 151936, 262144),
                             rows=lambda N: 4096, make=class_targets,
@@ -167,7 +167,7 @@ def _ops():
     }
 
 
-# BENCHMARKS.md's real model shapes: op -> (row lengths N, rows M for N). Hidden sizes of
+# the benchmark protocol's (benchmarks/README.md) real model shapes: op -> (row lengths N, rows M for N). Hidden sizes of
 # Llama-3.2-1B/3B, Gemma-2-2B, Qwen2.5-7B, Llama-3-8B, Qwen-14B and 70B-class models at 16384
 # tokens, and the per-head q/k norm (16384 tokens x 32 heads rows of 128); vocabularies of
 # Llama-2, GPT-2, Llama-3, Qwen2, GPT-4o-style and Gemma at 8192 tokens; the MLP widths.
@@ -204,7 +204,7 @@ def _parse(argv):
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")
     p.add_argument("--sizes", default=None, help="comma-separated row lengths N (default: each op's own)")
     p.add_argument("--suite", default="models", choices=("models", "sweep"),
-                   help="models: BENCHMARKS.md's real model shapes (default); sweep: each op's powers of two")
+                   help="models: the benchmark protocol's (benchmarks/README.md) real model shapes (default); sweep: each op's powers of two")
     p.add_argument("--host-time", action="store_true",
                    help="instead: the host time of one call on small tensors (8 x 1024), pintail against eager")
     p.add_argument("--elements", type=int, default=2**27, help="M*N per shape (default 2^27)")
@@ -327,7 +327,7 @@ def benchmark(args):
 
 def host_time(args):
     """Wall time of one call on small tensors (8 x 1024) with the GPU idle, over 1000 calls
-    after 100, forward and forward + backward, pintail against torch eager (BENCHMARKS.md)."""
+    after 100, forward and forward + backward, pintail against torch eager (benchmarks/README.md)."""
     ops = _selected_ops(args, ",".join(DEFAULT_OPS))
     ops.pop("linear_cross_entropy", None)
     rows = []

@@ -1,4 +1,4 @@
-"""The GPU benchmark of linear_cross_entropy at real language-model heads (BENCHMARKS.md's
+"""The GPU benchmark of linear_cross_entropy at real language-model heads (benchmarks/README.md's
 protocol for linear + CE): one step, loss = f(x, W, t) and its backward (dx, dW), timed
 beside the three cuBLAS GEMMs of the head alone; the step's extra peak memory beyond its
 inputs and gradients; the loss's and dW's error against a float32 composition."""

@@ -15,14 +15,14 @@ def time_ms(fn, rep=40):
 
 def copy_bandwidth():
     """Bytes per second of y.copy_(x) over 2^30 bf16 elements: the ceiling every fraction
-    is taken of (BENCHMARKS.md)."""
+    is taken of (benchmarks/README.md)."""
     x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     return 2 * x.numel() * 2 / (time_ms(lambda: y.copy_(x)) * 1e-3)
 
 
 def rotary_inputs(interleaved=False):
-    """BENCHMARKS.md's rotary shape: q (8, 32, 4096, 128) and k (8, 8, 4096, 128) bf16, (batch,
+    """The benchmark protocol's rotary shape: q (8, 32, 4096, 128) and k (8, 8, 4096, 128) bf16, (batch,
     heads, seq, dim), and the float32 cos / sin tables of a column per feature (Hugging Face's
     halves, or GPT-J's pairs side by side)."""
     q = torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
 """Sweep the cross-entropy launch configurations on a GPU: M = 4096 rows of bf16 logits,
-class-index targets, reduction mean (the BENCHMARKS.md shapes); the forward kernel (the
+class-index targets, reduction mean (the benchmark protocol's shapes); the forward kernel (the
 loss) and the backward kernel (the gradient) launched directly, as fractions of the copy
 bandwidth (forward: M*V*elem bytes; backward: read the logits, write the gradient,
 2*M*V*elem). At V = 32768 the forward kernel alone measured ~0.85 (74 us in the profiler,

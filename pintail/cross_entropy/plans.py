@@ -5,7 +5,7 @@ from .._core import cluster
 from .._core.launch import cdiv, next_power_of_2, row_alignment
 
 # ------------------------------------------------------------------ launch heuristics
-# BENCHMARKS.md probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
+# Plain Triton probes on the H200: the online forward at BLOCK 8192 / 4 warps reached
 # 0.84-1.02 of copy; the backward on a (rows x 8192-column chunks) grid 0.93. The forward's
 # chunk: the first of FORWARD_BLOCKS for the class-index loss without smoothing, the second
 # for the bodies that hold more a chunk (probability targets: 165-207 registers at 8192, two

@@ -15,7 +15,7 @@ import dataclasses
 
 from .._core.launch import cdiv
 
-# The default workspace holds about 1/32 of the logits (BENCHMARKS.md's goal: 3 % of the
+# The vocabulary chunks' default workspace holds about 1/32 of the logits (a goal of 3 % of the
 # bf16 logits), in chunks no narrower than MIN_CHUNK_COLUMNS.
 DEFAULT_LOGITS_FRACTION = 32
 # Chunk widths are whole multiples of this (GEMM tiles of 128 or 256 columns), and the
