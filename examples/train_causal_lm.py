@@ -14,6 +14,7 @@ steps) and (with matplotlib) a plot of the loss curves.
 
 import argparse
 import copy
+import os
 import pathlib
 import time
 
@@ -126,7 +127,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--plot", default="train_causal_lm.png", help="loss curves (needs matplotlib)")
+    p.add_argument("--plot", default="bench-out/train_causal_lm.png",
+                   help="loss curves (needs matplotlib; default under bench-out/, which git ignores)")
     args = p.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     text = corpus(args.device)
@@ -162,6 +164,7 @@ def main(argv=None):
     plt.ylabel("loss")
     plt.title(f"{args.model} ({args.width})")
     plt.legend()
+    os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
     plt.savefig(args.plot, dpi=100)
     print(f"plot: {args.plot}")
     return 0

@@ -454,6 +454,7 @@ def check_kernels(args, device):
     torch.manual_seed(0)  # the same inputs every run: a bar relative to torch's own error moves with the draw
     rows, failures = [], 0
     for name, op in _selected_ops(args, "all").items():
+        first, t_op = len(rows), time.time()
         for dtype in CHECK_TOLERANCE:
             for M, N in op.check_sizes or CHECK_SIZES:
                 inputs, others = op.make(M, N, dtype, device)
@@ -478,7 +479,8 @@ def check_kernels(args, device):
                 failures += not ok
                 rows.append((name, str(dtype).replace("torch.", ""), f"{M}x{N}",
                              "pass" if ok else "FAIL", detail, f"{time.time() - t0:.1f}s"))
-                print(f"{name} {rows[-1][1]} {M}x{N}: {rows[-1][3]}", flush=True)
+        passed = sum(r[3] == "pass" for r in rows[first:])
+        print(f"{name}: {passed} of {len(rows) - first} cases passed ({time.time() - t_op:.0f} s)", flush=True)
     print("\n| op | dtype | shape | result | rel. error fwd / bwd | time |\n|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
