@@ -528,8 +528,9 @@ def test_past_2_to_the_31_logits(budget, device):
 def test_gemm_flops_of_each_plan(dtype, plan, gemms, device):
     """A forward and backward's matrix-product FLOPs: three times 2 M V K for the token
     chunks and the kept logits, four for the vocabulary chunks (the logits twice). (A
-    dispatch mode sees into a plan's function, not into a torch.library op.)"""
-    M, K, V = 40, 24, 300
+    dispatch mode sees into a plan's function, not into a torch.library op. V a multiple of
+    64: the three-GEMM plans pad the vocabulary to one.)"""
+    M, K, V = 40, 24, 320
     x = torch.randn(M, K, device=device).to(dtype).requires_grad_()
     W = (torch.randn(V, K, device=device) / K**0.5).to(dtype).requires_grad_()
     t = torch.randint(0, V, (M,), device=device)
@@ -611,3 +612,29 @@ def test_autocast_float32_head_keeps_no_other_weight_sized_sum(device):
         expected = F.cross_entropy(F.linear(x, W).float(), t)
     (dW_expected,) = torch.autograd.grad(expected, W)
     assert torch.allclose(W.grad, dW_expected, rtol=2e-2, atol=2e-2 * dW_expected.abs().max().item())
+
+
+@pytest.mark.parametrize("plan", ["tokens", "logits"])
+def test_three_gemm_plans_pad_the_vocabulary(plan, device):
+    """V = 300 runs the three GEMMs over 320 classes (zero rows of the head past V: cuBLAS
+    takes a vocabulary of no multiple of 64, as GPT-2's, at a fraction of its rate), with the
+    loss and gradients of the 300."""
+    M, K, V = 40, 24, 300
+    x = torch.randn(M, K, device=device, requires_grad=True)
+    W = (torch.randn(V, K, device=device) / K**0.5).requires_grad_()
+    b = torch.randn(V, device=device, requires_grad=True)
+    t = torch.randint(0, V, (M,), device=device)
+    options = (-100, 0.1, 0.0, 0.0, None)
+    with GemmFlops() as counter:
+        if plan == "tokens":
+            tokens._forward(x.detach(), W.detach(), b.detach(), t, None, *options, 16, True, True, True)
+        else:
+            budget = M * plans.buffer_columns(V) * x.element_size()
+            loss = pintail.linear_cross_entropy(x, W, t, linear_bias=b, label_smoothing=0.1, memory_budget=budget)
+            grads = torch.autograd.grad(loss, (x, W, b))
+    assert counter.flops == 3 * 2 * M * 320 * K
+    if plan == "logits":
+        x64, W64, b64 = (v.detach().double().requires_grad_() for v in (x, W, b))
+        truth = F.cross_entropy(F.linear(x64, W64, b64), t, label_smoothing=0.1)
+        for g, want in zip(grads, torch.autograd.grad(truth, (x64, W64, b64))):
+            assert g.shape == want.shape and torch.allclose(g.double(), want, rtol=1e-4, atol=1e-6)

@@ -159,9 +159,10 @@ class _KeptLogits(torch.autograd.Function):
         compute = torch.promote_types(x.dtype, torch.float32)
         loss, stats = x.new_empty(M, dtype=compute), x.new_empty(M, 2, dtype=compute)
         state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
-        _, _, logits = next(chunks.chunks(x, linear_weight, linear_bias, V))
-        chunks.fold(logits, 0, V, target, weight, chunks.weight_total(weight, options[1], compute), state, loss, stats, options,
-              True, True)
+        head, bias = chunks.padded_head(linear_weight, linear_bias, x.dtype)
+        logits = torch.mm(x, head.t()) if bias is None else torch.addmm(bias, x, head.t())
+        chunks.fold(logits[:, :V], 0, V, target, weight, chunks.weight_total(weight, options[1], compute), state, loss,
+                    stats, options, True, True)
         ctx.save_for_backward(x, linear_weight, target, weight, stats)
         ctx.logits, ctx.options, ctx.has_bias = logits, options, linear_bias is not None
         ctx.mark_non_differentiable(stats)
@@ -175,12 +176,13 @@ class _KeptLogits(torch.autograd.Function):
         x, linear_weight, target, weight, stats = ctx.saved_tensors
         logits, ctx.logits = ctx.logits, None
         options = ctx.options
-        chunks.gradient(logits, 0, linear_weight.shape[0], target, weight, chunks.weight_total(weight, options[1], stats.dtype),
-                  stats, grad.to(stats.dtype).expand(x.shape[0]), options)
+        V = linear_weight.shape[0]
+        chunks.gradient(logits[:, :V], 0, V, target, weight, chunks.weight_total(weight, options[1], stats.dtype), stats,
+                        grad.to(stats.dtype).expand(x.shape[0]), options)
         need = ctx.needs_input_grad
-        dx = logits @ linear_weight if need[0] else None
-        dW = logits.t() @ x if need[1] else None
-        db = logits.sum(0, dtype=stats.dtype).to(linear_weight.dtype) if need[2] and ctx.has_bias else None
+        dx = logits @ chunks.padded_head(linear_weight, None, x.dtype)[0] if need[0] else None
+        dW = (logits.t() @ x)[:V] if need[1] else None
+        db = logits[:, :V].sum(0, dtype=stats.dtype).to(linear_weight.dtype) if need[2] and ctx.has_bias else None
         return (*no_second_derivative((dx, dW, db), x, linear_weight, grad), None, None, None)
 
 

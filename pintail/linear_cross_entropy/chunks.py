@@ -40,6 +40,21 @@ def chunks(x, linear_weight, linear_bias, columns):
         yield start, stop, logits
 
 
+def padded_head(linear_weight, linear_bias, dtype):
+    """The head and bias in `dtype` with zero rows up to buffer_columns(V): GEMMs over the whole
+    vocabulary then take a multiple of 64 classes (cuBLAS runs GPT-2's 50257 at a fraction of
+    its rate). The zero rows give logits of 0 past V, which the kernels never read, and so
+    gradient columns of 0 there, which the GEMMs that read the gradient add nothing from."""
+    V = linear_weight.shape[0]
+    pad = plans.buffer_columns(V) - V
+    head = linear_weight.to(dtype)
+    bias = linear_bias.to(dtype) if linear_bias is not None else None
+    if pad:
+        head = torch.nn.functional.pad(head, (0, 0, 0, pad))
+        bias = torch.nn.functional.pad(bias, (0, pad)) if bias is not None else None
+    return head, bias
+
+
 def weight_total(weight, smoothing, dtype):
     """sum(weight) (0-d, on the device), which smoothing spreads over; None where not read."""
     return weight.sum(dtype=dtype) if weight is not None and smoothing > 0 else None

@@ -16,7 +16,7 @@ import torch
 
 from .._core.launch import no_second_derivative
 from . import plans
-from .chunks import add_product, fold, gradient, weight_total
+from .chunks import add_product, fold, gradient, padded_head, weight_total
 from .kernels import STATE_COLUMNS
 
 NAME = "pintail.linear_cross_entropy"
@@ -46,29 +46,31 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
 def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per_chunk, loss, stats, dx, dW, db):
     M, V = x.shape[0], linear_weight.shape[0]
     compute = loss.dtype
-    head = linear_weight.to(x.dtype)
-    bias = linear_bias.to(x.dtype) if linear_bias is not None else None
+    head, bias = padded_head(linear_weight, linear_bias, x.dtype)
     m = min(rows_per_chunk, M)
-    buffer = x.new_empty(m, plans.buffer_columns(V))
+    buffer = x.new_empty(m, head.shape[0])
     state = x.new_empty(m, STATE_COLUMNS, dtype=compute)
     unit = x.new_ones(1, dtype=compute).expand(m)  # the gradient of the summed loss: 1 a row
     total = weight_total(weight, options[1], compute)
+    dW_padded = x.new_zeros(head.shape, dtype=compute) if dW.numel() and head.shape[0] != V else dW
     for first in range(0, M, m):
         rows = slice(first, min(first + m, M))
         n = rows.stop - first
-        logits = buffer[:n, :V]
+        logits = buffer[:n]
         if bias is None:
             torch.mm(x[rows], head.t(), out=logits)
         else:
             torch.addmm(bias, x[rows], head.t(), out=logits)
-        fold(logits, 0, V, target[rows], weight, total, state[:n], loss[rows], stats[rows], options, True, True)
-        gradient(logits, 0, V, target[rows], weight, total, stats[rows], unit[:n], options)
+        fold(logits[:, :V], 0, V, target[rows], weight, total, state[:n], loss[rows], stats[rows], options, True, True)
+        gradient(logits[:, :V], 0, V, target[rows], weight, total, stats[rows], unit[:n], options)
         if dx.numel():
             add_product(dx[rows], logits, head)
         if dW.numel():
-            add_product(dW, logits.t(), x[rows])
+            add_product(dW_padded, logits.t(), x[rows])
         if db.numel():
-            db += logits.sum(0, dtype=compute)
+            db += logits[:, :V].sum(0, dtype=compute)
+    if dW_padded is not dW:
+        dW.copy_(dW_padded[:V])
 
 
 _forward_op = torch.library.custom_op("pintail::linear_cross_entropy_tokens", _forward, mutates_args=())
