@@ -4,7 +4,7 @@
     python tools/gpu_check.py --sanitize [--out DIR]
 
 Each test file runs in its own pytest (`--device cuda`, W xdist workers) under a time limit;
-after each one the tool appends to DIR (default $OUT, else ./gpu-check-out):
+after each one the tool appends to DIR (default ./gpu-check-out):
   failures.txt  one line per failed test: its id and the first line of its error
   summary.txt   one line per file: passed / failed / errors / skipped counts and seconds
   junit.tar     the file's junit XML, appended to one archive
@@ -54,7 +54,7 @@ def parse_args():
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="pytest-xdist workers a file (default: the cores, at most 16)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds a file may take")
-    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "gpu-check-out")))
+    parser.add_argument("--out", default=str(ROOT / "gpu-check-out"), help="folder for the results")
     parser.add_argument("--sanitize", action="store_true", help="the kernel check under compute-sanitizer")
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     return parser.parse_args()
