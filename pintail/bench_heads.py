@@ -26,6 +26,8 @@ def _providers(M, V, softcap):
     logits_bytes = M * V * 2
     providers = {
         "pintail": lambda x, W, t: pintail.linear_cross_entropy(x, W, t, softcap=softcap, out_dtype=torch.float32),
+        "pintail_quarter_budget": lambda x, W, t: pintail.linear_cross_entropy(
+            x, W, t, softcap=softcap, out_dtype=torch.float32, memory_budget=logits_bytes // 4),
         "pintail_logits_budget": lambda x, W, t: pintail.linear_cross_entropy(
             x, W, t, softcap=softcap, out_dtype=torch.float32, memory_budget=logits_bytes + M * 4096 * 4),
         "eager": lambda x, W, t: _composition(x, W, t, softcap),
