@@ -1,15 +1,18 @@
 """linear_cross_entropy: the language-model head and its cross-entropy without the logits.
 
-x (M, K) times the head W (V, K), plus a bias, gives logits (M, V) that are never held
-whole. The forward runs the vocabulary in chunks of C classes: a GEMM writes a chunk's
-logits into one reused (M, C) buffer and a kernel folds them into every row's running
-(max, sum of exp), its smoothing sum and its target's logit (cross_entropy's online
-log-sum-exp); after the last chunk each row has its loss and (max, log-sum). The backward
-computes each chunk's logits again, a kernel writes their gradient over them (from the
-row's log-sum-exp, as cross_entropy's backward), and GEMMs take from it dx += G W[chunk]
-(float32 sum over the chunks for 16-bit x) and dW[chunk] = G^T x (complete at once: no
-float32 re-reads of dW). Four GEMMs in all, against three for the composition, and a
-workspace of one chunk; the formulas are cross_entropy's (pintail/cross_entropy/__init__.py).
+x (M, K) times the head W (V, K), plus a bias, gives logits (M, V) that are held whole only
+where the memory budget allows. Three plans (plans.py chooses within the budget):
+- token chunks (tokens.py; the default with gradients and reduction "mean" or "sum"): m rows
+  at a time over the whole vocabulary. A GEMM writes the rows' logits into a reused buffer,
+  a kernel folds each row into its loss and log-sum-exp, another writes the gradient of the
+  summed loss over the logits, and GEMMs take from it the rows' dx and dW += G^T x (float32
+  sums). The backward scales them by the incoming gradient. Three GEMMs.
+- vocabulary chunks (api.py): chunks of classes for every row; the forward folds each chunk
+  into every row's running (max, sum of exp) state, the backward computes each chunk's
+  logits again and takes dx += G W[chunk] and dW[chunk] = G^T x. Four GEMMs, the least
+  workspace; reduction "none" and calls without gradients take it.
+- kept logits (api.py, eager): a budget of the whole logits keeps them for the backward.
+The per-element formulas are cross_entropy's (pintail/cross_entropy/__init__.py).
 """
 
 from .api import linear_cross_entropy
