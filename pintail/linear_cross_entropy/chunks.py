@@ -45,13 +45,16 @@ def padded_head(linear_weight, linear_bias, dtype):
     vocabulary then take a multiple of 64 classes (cuBLAS runs GPT-2's 50257 at a fraction of
     its rate). The zero rows give logits of 0 past V, which the kernels never read, and so
     gradient columns of 0 there, which the GEMMs that read the gradient add nothing from."""
-    V = linear_weight.shape[0]
-    pad = plans.buffer_columns(V) - V
-    head = linear_weight.to(dtype)
-    bias = linear_bias.to(dtype) if linear_bias is not None else None
-    if pad:
-        head = torch.nn.functional.pad(head, (0, 0, 0, pad))
-        bias = torch.nn.functional.pad(bias, (0, pad)) if bias is not None else None
+    V, K = linear_weight.shape
+    rows = plans.buffer_columns(V)
+    if rows == V:
+        return linear_weight.to(dtype), linear_bias.to(dtype) if linear_bias is not None else None
+    head = linear_weight.new_zeros(rows, K, dtype=dtype)
+    head[:V] = linear_weight  # cast and padded in one copy
+    bias = None
+    if linear_bias is not None:
+        bias = linear_bias.new_zeros(rows, dtype=dtype)
+        bias[:V] = linear_bias
     return head, bias
 
 
@@ -115,8 +118,8 @@ def add_product(accumulator, a, b):
                 return
             except (RuntimeError, TypeError) as error:  # refused before writing anything
                 _MIXED_GEMM["cuda"] = False
-                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); dx is summed "
-                              f"from 16-bit products of each chunk instead", stacklevel=2)
+                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); the float32 "
+                              f"sums take 16-bit products of each chunk instead", stacklevel=2)
         accumulator += torch.mm(a, b)  # each chunk's product rounded once, the sum in float32
     else:
         for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):

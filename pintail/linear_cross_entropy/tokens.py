@@ -16,10 +16,8 @@ import torch
 
 from .._core.launch import no_second_derivative
 from . import plans
-from .chunks import add_product, fold, gradient, padded_head, weight_total
+from .chunks import NAME, add_product, fold, gradient, padded_head, weight_total
 from .kernels import STATE_COLUMNS
-
-NAME = "pintail.linear_cross_entropy"
 
 
 def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
@@ -33,17 +31,18 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
     compute = torch.promote_types(x.dtype, torch.float32)
     loss, stats = x.new_empty(M, dtype=compute), x.new_empty(M, 2, dtype=compute)
     dx = x.new_zeros(M, K, dtype=compute) if need_input else x.new_empty(0)
-    dW = x.new_zeros(V, K, dtype=compute) if need_weight else x.new_empty(0)
+    # over the padded vocabulary (padded_head); its first V rows are returned, not copied
+    dW_sum = x.new_zeros(plans.buffer_columns(V), K, dtype=compute) if need_weight else x.new_empty(0)
     db = x.new_zeros(V, dtype=compute) if need_bias and linear_bias is not None else x.new_empty(0)
     if M == 0:
-        return loss, stats, dx, dW, db
+        return loss, stats, dx, dW_sum[:V], db
     with torch.autocast(x.device.type, enabled=False):  # the GEMMs write float32 sums: no casts
         _chunk_loop(x, linear_weight, linear_bias, target, weight, (ignore_index, smoothing, z_scale, softcap, z_ratio),
-                    rows_per_chunk, loss, stats, dx, dW, db)
-    return loss, stats, dx, dW, db
+                    rows_per_chunk, loss, stats, dx, dW_sum, db)
+    return loss, stats, dx, dW_sum[:V], db
 
 
-def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per_chunk, loss, stats, dx, dW, db):
+def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per_chunk, loss, stats, dx, dW_sum, db):
     M, V = x.shape[0], linear_weight.shape[0]
     compute = loss.dtype
     head, bias = padded_head(linear_weight, linear_bias, x.dtype)
@@ -52,7 +51,6 @@ def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per
     state = x.new_empty(m, STATE_COLUMNS, dtype=compute)
     unit = x.new_ones(1, dtype=compute).expand(m)  # the gradient of the summed loss: 1 a row
     total = weight_total(weight, options[1], compute)
-    dW_padded = x.new_zeros(head.shape, dtype=compute) if dW.numel() and head.shape[0] != V else dW
     for first in range(0, M, m):
         rows = slice(first, min(first + m, M))
         n = rows.stop - first
@@ -65,12 +63,10 @@ def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per
         gradient(logits[:, :V], 0, V, target[rows], weight, total, stats[rows], unit[:n], options)
         if dx.numel():
             add_product(dx[rows], logits, head)
-        if dW.numel():
-            add_product(dW_padded, logits.t(), x[rows])
+        if dW_sum.numel():
+            add_product(dW_sum, logits.t(), x[rows])
         if db.numel():
             db += logits[:, :V].sum(0, dtype=compute)
-    if dW_padded is not dW:
-        dW.copy_(dW_padded[:V])
 
 
 _forward_op = torch.library.custom_op("pintail::linear_cross_entropy_tokens", _forward, mutates_args=())

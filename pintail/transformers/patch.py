@@ -154,13 +154,14 @@ def _layer_forward(layer_class, form):
     signature = inspect.signature(inspect.unwrap(layer_class.forward))
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
 
-    def forward(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        arguments.pop("self")
-        hidden_states = arguments.pop("hidden_states")
-        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:  # positional arguments take their names from the original signature
+            arguments = signature.bind(self, hidden_states, *args, **kwargs).arguments
+            kwargs = {**arguments.pop(var_keyword, {}), **arguments} if var_keyword else arguments
+            for name in ("self", "hidden_states"):
+                kwargs.pop(name)
         residual = hidden_states
-        attended = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **arguments, **extra)[0]
+        attended = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
         if form == "sandwich":
             normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended),
                                                               residual=residual)
