@@ -9,6 +9,8 @@ from helpers import DTYPES, RTOL, assert_matches, boundary_shifts, line_aligned_
 
 cross_entropy_api = importlib.import_module("pintail.cross_entropy.api")
 cross_entropy_plans = importlib.import_module("pintail.cross_entropy.plans")
+loss_checks = importlib.import_module("pintail._loss.checks")
+loss_plans = importlib.import_module("pintail._loss.plans")
 MULTI_CHUNK = cross_entropy_plans.FORWARD_BLOCKS[0] + 1000  # more than one chunk per row in both kernels
 
 
@@ -279,7 +281,7 @@ def test_backward_chunks_fill_the_row():
     """The backward's chunk: the largest of 8192 / 4096 / 2048 whose chunks fill the row's
     sliced part (from its first boundary: SHIFT) to 0.99, else the smallest; no chunk
     program past the sliced part (chunk 0 takes the classes outside it)."""
-    chunks = cross_entropy_plans._backward_chunks
+    chunks = loss_plans.backward_chunks
     assert chunks(131072, 0) == (8192, 16) and chunks(32768, 0) == (8192, 4)
     assert chunks(50304, 0) == (2048, 25)        # 8192 would fill 0.88, 4096 0.95
     assert chunks(256001, 64) == (4096, 63)      # 256000 sliced: 4096 fills 0.992
@@ -659,8 +661,8 @@ def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, devic
     """The eager check: a kernel counts out-of-range targets, and only then is the target
     read on the host to name it (a good target costs no host-side scan)."""
     scans = []
-    original = cross_entropy_api._check_target_values
-    monkeypatch.setattr(cross_entropy_api, "_check_target_values", lambda *a: (scans.append(1), original(*a)))
+    original = loss_checks.check_target_values
+    monkeypatch.setattr(loss_checks, "check_target_values", lambda *a: (scans.append(1), original(*a)))
     x = torch.randn(5, 40, device=device, requires_grad=True)
     good = torch.tensor([1, -100, 39, 0, 7], device=device, dtype=torch.int32)
     pintail.cross_entropy(x, good, reduction=reduction, weight=torch.rand(40, device=device))
@@ -676,14 +678,14 @@ def test_bad_target_is_flagged_by_the_check_kernel(reduction, monkeypatch, devic
 @pytest.mark.kernels_only
 def test_check_kernel_counts_bad_targets_past_its_block(device):
     """The check kernel loops over blocks of targets: bad ones in the second and third count."""
-    target = torch.randint(0, 50, (2 * cross_entropy_plans.TARGET_CHECK_BLOCK + 5,), device=device)
+    target = torch.randint(0, 50, (2 * loss_plans.TARGET_CHECK_BLOCK + 5,), device=device)
     target[::7] = -100
-    assert cross_entropy_api._TargetCheck(target, 50, -100).bad_targets() == 0
-    target[cross_entropy_plans.TARGET_CHECK_BLOCK + 3] = 50
+    assert loss_checks.TargetCheck(target, 50, -100, 'check').bad_targets() == 0
+    target[loss_plans.TARGET_CHECK_BLOCK + 3] = 50
     target[-1] = -1
-    assert cross_entropy_api._TargetCheck(target, 50, -100).bad_targets() == 2
-    check = cross_entropy_api._TargetCheck(target.int(), 50, -100)
-    with pytest.raises(IndexError, match=rf"target\[{cross_entropy_plans.TARGET_CHECK_BLOCK + 3}\] = 50 is out of bounds"):
+    assert loss_checks.TargetCheck(target, 50, -100, 'check').bad_targets() == 2
+    check = loss_checks.TargetCheck(target.int(), 50, -100, 'check')
+    with pytest.raises(IndexError, match=rf"target\[{loss_plans.TARGET_CHECK_BLOCK + 3}\] = 50 is out of bounds"):
         check.finish()
 
 

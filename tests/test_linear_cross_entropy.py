@@ -15,7 +15,8 @@ import pintail
 from helpers import DTYPES, RTOL
 
 api = importlib.import_module("pintail.linear_cross_entropy.api")
-chunks = importlib.import_module("pintail.linear_cross_entropy.chunks")
+chunks = importlib.import_module("pintail._loss.chunks")
+loss_plans = importlib.import_module("pintail._loss.plans")
 tokens = importlib.import_module("pintail.linear_cross_entropy.tokens")
 plans = importlib.import_module("pintail.linear_cross_entropy.plans")
 
@@ -183,10 +184,10 @@ def test_kernels_run_once_a_chunk(reduction, device, monkeypatch):
     W = torch.randn(V, K, device=device, requires_grad=True)
     t = torch.randint(0, V, (M,), device=device)
     loss = pintail.linear_cross_entropy(x, W, t, reduction=reduction, check_target=False)
-    forward = ["_fold_kernel"] * 5 if reduction == "none" else ["_fold_kernel", "_gradient_kernel"] * 2
+    forward = ["fold_kernel"] * 5 if reduction == "none" else ["fold_kernel", "gradient_kernel"] * 2
     assert launched == forward
     loss.sum().backward()
-    assert launched == forward + (["_gradient_kernel"] * 5 if reduction == "none" else [])
+    assert launched == forward + (["gradient_kernel"] * 5 if reduction == "none" else [])
 
 
 def test_model_shapes_and_lse(device):
@@ -267,6 +268,7 @@ class RecordAllocations(TorchDispatchMode):
     def __init__(self, *given):
         super().__init__()
         self.storages, self.ops, self.alive, self.peak, self.paused = {}, [], {}, 0, False
+        self.generation = {}
         self.given = {g.untyped_storage().data_ptr() for g in given if g is not None and g.numel()}
 
     def __enter__(self):
@@ -296,7 +298,9 @@ class RecordAllocations(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                self.storages[ptr] = (storage.nbytes(), t.numel(), tuple(t.shape))
+                if ptr not in self.alive and ptr not in self.given:  # a new storage, perhaps at a freed one's address
+                    self.generation[ptr] = self.generation.get(ptr, -1) + 1
+                self.storages[ptr, self.generation.get(ptr, 0)] = (storage.nbytes(), t.numel(), tuple(t.shape))
                 if ptr not in self.given:
                     self.alive.setdefault(ptr, (storage.nbytes(), []))[1].append(weakref.ref(t))
         self.alive = {p: (n, refs) for p, (n, refs) in self.alive.items() if any(r() is not None for r in refs)}
@@ -307,7 +311,7 @@ class RecordAllocations(TorchDispatchMode):
         """(bytes, elements, shape) of each storage recorded that is not one of the `given`
         tensors' (the call's inputs and what it returns)."""
         returned = {o.untyped_storage().data_ptr() for o in given if o is not None and o.numel()}
-        return [v for ptr, v in self.storages.items() if ptr not in returned]
+        return [v for (ptr, _), v in self.storages.items() if ptr not in returned]
 
 
 @pytest.mark.kernels_only
@@ -341,7 +345,7 @@ def test_workspace_within_budget(dtype, budget, device):
     # the CPU (no mixed-precision GEMM) the float32 copies of the slices dx is summed from
     small = M * 16 * 4 + V * 4
     if accumulates and device.type == "cpu":
-        small += plans.CPU_ACCUMULATE_COLUMNS * (M + K) * 4
+        small += loss_plans.CPU_ACCUMULATE_COLUMNS * (M + K) * 4
     for record, outputs in ((forward, (loss, stats)), (backward, grads)):
         workspace = record.workspace(x, W, b, t, stats, grad, *outputs)
         assert workspace, "nothing recorded"
@@ -592,7 +596,7 @@ def test_token_chunks_within_budget(dtype, rows, device):
     # the unit gradient; on the CPU the float32 copies of the slices the sums are taken from
     small = (M + V) * K * x.element_size() + M * 16 * 4 + 64
     if sums and device.type == "cpu":
-        small += plans.CPU_ACCUMULATE_COLUMNS * (rows + V + K + rows) * 4
+        small += loss_plans.CPU_ACCUMULATE_COLUMNS * (rows + V + K + rows) * 4
     assert record.peak <= budget + small, (record.peak, budget, small)
 
 

@@ -14,6 +14,7 @@ from pintail._core.launch import next_power_of_2
 softmax_plans = importlib.import_module("pintail.softmax.plans")
 norm_plans = importlib.import_module("pintail.norm.plans")
 cross_entropy_plans = importlib.import_module("pintail.cross_entropy.plans")
+loss_plans = importlib.import_module("pintail._loss.plans")
 
 PLANS = {"rows", "two_pass", "packed", "split", "own_row", "cluster", "long", "blocks"}
 VALUES_A_THREAD = 128
@@ -85,5 +86,5 @@ def test_cross_entropy_chunks_are_powers_of_two_that_fit():
             block = cross_entropy_plans._forward_block(V, smoothing, prob)
             assert block == next_power_of_2(block) and block <= VALUES_A_THREAD * 32 * cross_entropy_plans.FORWARD_WARPS
         for heavy in (False, True):
-            block, chunks = cross_entropy_plans._backward_chunks(V, 0, heavy)
+            block, chunks = loss_plans.backward_chunks(V, 0, heavy)
             assert block == next_power_of_2(block) and block * chunks >= V, (V, block, chunks)

@@ -53,7 +53,7 @@ def batch(device, B=2, S=9):
 def record_launches(monkeypatch):
     """(op package, kernel name) of each pintail kernel launched from now on."""
     launched = []
-    for module in ("norm.api", "rotary.api", "linear_cross_entropy.chunks", "cross_entropy.api", "gated.api"):
+    for module in ("norm.api", "rotary.api", "_loss.chunks", "_loss.checks", "cross_entropy.api", "gated.api"):
         api = importlib.import_module(f"pintail.{module}")
         real = api.launch
 
@@ -88,11 +88,11 @@ def test_matches_unpatched(family, device, on_reference, monkeypatch):
         assert torch.allclose(grad, expected_grads[name], rtol=1e-4, atol=1e-5 * scale), name
     if not on_reference:
         ops = {op for op, _ in launched}
-        # cross_entropy: its target check, which linear_cross_entropy runs
-        expected_ops = {"norm", "linear_cross_entropy", "cross_entropy", "rotary", "gated"}
+        # _loss: linear_cross_entropy's chunk kernels and its target check
+        expected_ops = {"norm", "_loss", "rotary", "gated"}
         expected_ops -= {"gpt2": {"rotary", "gated"}, "gpt_neox": {"gated"}}.get(family, set())
         assert ops == expected_ops, ops
-        assert {"_fold_kernel", "_gradient_kernel"} <= {kernel for _, kernel in launched}
+        assert {"fold_kernel", "gradient_kernel", "target_check_kernel"} <= {kernel for _, kernel in launched}
     assert patched.state_dict().keys() == model.state_dict().keys()
 
 

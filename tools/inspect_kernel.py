@@ -180,9 +180,9 @@ def main():
     for flags in (False, True):  # linear_cross_entropy's chunk kernels, plain and with every option
         options = {"HAS_WEIGHT": flags, "SMOOTH": flags, "SOFTCAP": flags, "Z_RATIO": flags, "ALIGN": 1}
         for first, last in ((True, False), (False, True)):
-            inspect(lce._fold_kernel, signature(lce._fold_kernel),
+            inspect(lce.fold_kernel, signature(lce.fold_kernel),
                     {**options, "FIRST": first, "LAST": last, "BLOCK": lce.FOLD_BLOCK}, lce.FOLD_WARPS)
-        inspect(lce._gradient_kernel, signature(lce._gradient_kernel), {**options, "BLOCK": 2048},
+        inspect(lce.gradient_kernel, signature(lce.gradient_kernel), {**options, "BLOCK": 2048},
                 lce.GRADIENT_WARPS)
     for activation in (0, 1, 2):  # the gated activations: SiLU, GELU (tanh), GELU (erf)
         for kernel in (gated._gated_forward_kernel, gated._gated_backward_kernel):

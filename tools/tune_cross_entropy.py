@@ -62,7 +62,7 @@ def main():
         _, stats, mass, _, denominator = ce._launch_forward(x, target, *options, args.probs, None, "mean")
         grad = torch.ones((), device="cuda", dtype=torch.bfloat16)
         shift = ce._vectors(V, "backward", (x, x, target) if args.probs else (x, x))[1]
-        block = ce._backward_chunks(V, shift, ce._heavy_body(options[0], options[2], options[4]))[0]
+        block = ce.backward_chunks(V, shift, ce.heavy_body(options[0], options[2], options[4]))[0]
         default = {"fwd": (ce._forward_block(V, options[2], args.probs), ce.FORWARD_WARPS),
                    "bwd": (block, library_warps)}
         if args.odd_vocab_shift:

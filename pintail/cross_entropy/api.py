@@ -2,18 +2,15 @@
 
 import torch
 
-from .. import reference
+from .. import parallel, reference
 from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, runs_kernels
+from .._loss import plans as loss_plans
+from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_loss_options, check_target_values,
+                            checked)
 from . import plans
-from .kernels import (
-    REDUCTIONS,
-    _backward_kernel,
-    _backward_probs_kernel,
-    _forward_kernel,
-    _forward_probs_kernel,
-    _reduce_kernel,
-    _target_check_kernel,
-)
+from .kernels import _backward_kernel, _backward_probs_kernel, _forward_kernel, _forward_probs_kernel, _reduce_kernel
+
+NAME = "pintail.cross_entropy"
 
 # --------------------------------------------------------------- tensor-level functions
 
@@ -85,7 +82,7 @@ def _forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
              smoothing: float, z_scale: float, softcap: float, prob_target: bool, z_ratio: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss, (max, log-sum) pair and mass (_mass_rows), all float32, of x[M, V]:
-    lse = max + log-sum. z_ratio (0-d, or None for 1) multiplies z_scale: _Reduction.z_ratio."""
+    lse = max + log-sum. z_ratio (0-d, or None for 1) multiplies z_scale: Reduction.z_ratio."""
     if not (runs_kernels(x) and x.dtype in KERNEL_DTYPES):
         return reference.cross_entropy_rows(x, target, weight, ignore_index, smoothing,
                                             z_scale * z_ratio if z_ratio is not None else z_scale, softcap,
@@ -113,10 +110,10 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight:
     w = weight if has_weight else stats
     grad_stride = grad.stride(0) if grad.dim() else 0
     align, shift = plans._vectors(V, "backward", (x, dx, target) if prob_target else (x, dx))
-    block, chunks = plans._backward_chunks(V, shift, plans._heavy_body(weight, smoothing, softcap))
+    block, chunks = loss_plans.backward_chunks(V, shift, loss_plans.heavy_body(weight, smoothing, softcap))
     grid = (M, chunks)
     common = dict(HAS_WEIGHT=has_weight, SOFTCAP=softcap > 0, MEAN=denominator is not None, BLOCK=block,
-                  ALIGN=align, SHIFT=shift, num_warps=plans.BACKWARD_WARPS)
+                  ALIGN=align, SHIFT=shift, num_warps=loss_plans.BACKWARD_WARPS)
     denominator = denominator if denominator is not None else stats
     if prob_target:
         launch(_backward_probs_kernel, grid, dx, x, target, w, stats, mass, grad, denominator, V, x.stride(0),
@@ -151,50 +148,6 @@ def _probability_target_grads(grad, x, y, weight, stats, smoothing, softcap, nee
     if need_weight:
         dweight = (gap * ((1 - smoothing) * y.to(compute) + smoothing / x.shape[1])).sum(0).to(weight.dtype)
     return dtarget, dweight
-
-
-class _Reduction:
-    """How the per-row losses become the returned loss: none (the target's shape), sum, or
-    mean (divided by the kept rows' summed class weights; by the row count for probability
-    targets). Also the derivative of that step, for the eager backward."""
-
-    def __init__(self, reduction, target, weight, ignore_index, prob_target, batch_shape, dtype, out_dtype):
-        # dtype: the row losses'; out_dtype: the returned loss's
-        self.reduction, self.batch_shape, self.dtype, self.out_dtype = reduction, batch_shape, dtype, out_dtype
-        self.target, self.weight, self.ignore_index, self.prob_target = target, weight, ignore_index, prob_target
-        self._denominator = None
-
-    def denominator(self):
-        """The mean's denominator, made when first asked (the eager kernels compute their own)."""
-        if self._denominator is None:
-            target, kept, dtype = self.target, self.target != self.ignore_index, self.dtype
-            if self.prob_target:
-                self._denominator = torch.full((), float(target.shape[0]), dtype=dtype, device=target.device)
-            elif self.weight is None:
-                self._denominator = kept.sum().to(dtype)
-            else:
-                safe = torch.where(kept, target, 0).long().clamp(0, self.weight.shape[0] - 1)  # bad rows: NaN anyway
-                self._denominator = (self.weight.to(dtype)[safe] * kept).sum()
-        return self._denominator
-
-    def z_ratio(self, z_loss):
-        """What the z-loss factor is multiplied by so that the z-loss term is a mean over the kept
-        rows whatever the class weights' scale: (sum of the kept rows' weights / kept rows) for a
-        weighted mean of class-index targets (0-d, on the device: no host wait), else None (1)."""
-        if not (z_loss > 0 and self.reduction == "mean" and self.weight is not None and not self.prob_target):
-            return None
-        kept = (self.target != self.ignore_index).sum().to(self.dtype)
-        return self.denominator() / kept.clamp_min(1)
-
-    def __call__(self, rows):
-        if self.reduction == "none":
-            return rows.reshape(self.batch_shape)
-        return rows.sum() if self.reduction == "sum" else rows.sum() / self.denominator()
-
-    def row_gradients(self, grad, M):
-        if self.reduction == "none":
-            return grad.reshape(M)
-        return (grad if self.reduction == "sum" else grad / self.denominator()).to(self.dtype).expand(M)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -301,34 +254,9 @@ def _loss_and_stats(x, target, weight, options, reduce, inplace):
 # ------------------------------------------------------------------------ public API
 
 
-def check_loss_options(name, reduction, label_smoothing, z_loss, softcap):
-    """The options every cross-entropy entry point takes, checked as torch checks them."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{name}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"{name}: z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"{name}: softcap must be None or > 0, got {softcap}")
-
-
-def check_class_weight(name, weight, C, device):
-    """Class weights: None, or a floating point (C,) tensor on `device`."""
-    if weight is None:
-        return
-    if not isinstance(weight, torch.Tensor) or weight.shape != (C,):
-        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"{name}: weight must have shape ({C},), one per class, got {shape}")
-    if weight.device != device:
-        raise ValueError(f"{name}: weight is on {weight.device}, expected input's device {device}")
-    if not weight.dtype.is_floating_point:
-        raise TypeError(f"{name}: weight must be floating point, got dtype {weight.dtype}")
-
-
 def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     """Validate the arguments as torch does; returns whether targets are probabilities."""
-    name = "pintail.cross_entropy"
+    name = NAME
     if not isinstance(input, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError(f"{name}: input and target must be tensors, got {type(input).__name__} and "
                         f"{type(target).__name__}")
@@ -359,63 +287,38 @@ def _check(input, target, weight, ignore_index, reduction, label_smoothing, z_lo
     return prob_target
 
 
-def _check_target_values(target, C, ignore_index, name="pintail.cross_entropy"):
-    """Raise on a class index outside [0, C) that is not ignore_index, naming the function
-    `name`. This reads the targets on the host: one synchronisation."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= C))
-    if bad.any():
-        position = int(bad.nonzero()[0, 0])
-        raise IndexError(f"{name}: target[{position}] = {int(target[position])} is out of "
-                         f"bounds: expected a class index in [0, {C}) or ignore_index ({ignore_index})")
-
-
-class _TargetCheck:
-    """The eager check of class indices, in two steps around the forward launch: making one
-    launches a one-program kernel that counts the bad targets and records an event; finish()
-    waits for that event (the forward kernel, launched in between, keeps running) and, if a
-    target is bad, names it. On a GPU the kernel writes the count straight into pinned host
-    memory (mapped into the GPU's address space), so no copy follows it on the stream."""
-
-    def __init__(self, target, C, ignore_index, name="pintail.cross_entropy"):
-        self.target, self.C, self.ignore_index, self.name = target, C, ignore_index, name
-        if target.is_cuda:
-            self.count = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        else:
-            self.count = torch.empty(1, dtype=torch.int32, device=target.device)
-        launch(_target_check_kernel, (1,), target, self.count, target.numel(), C, ignore_index,
-               BLOCK=plans.TARGET_CHECK_BLOCK, num_warps=4)
-        self.done = None
-        if target.is_cuda:
-            self.done = torch.cuda.Event()
-            self.done.record(torch.cuda.current_stream(target.device))
-
-    def wait(self):
-        """Until the kernel is done: also before the pinned count may be freed, since torch's
-        host allocator does not know that a kernel writes into it."""
-        if self.done is not None:
-            self.done.synchronize()
-
-    def bad_targets(self) -> int:
-        self.wait()
-        return self.count.item()
-
-    def finish(self):
-        if self.bad_targets():
-            _check_target_values(self.target, self.C, self.ignore_index, self.name)
-
-
-def checked(target_check, compute):
-    """compute() between a _TargetCheck's launch and its finish (None: no check): the check is
-    waited for also when compute raises (its pinned count must outlive the kernel)."""
-    try:
-        result = compute()
-    except BaseException:
-        if target_check is not None:
-            target_check.wait()
-        raise
-    if target_check is not None:
-        target_check.finish()
-    return result
+def _parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           return_z_loss, return_lse, check_target, out_dtype, group):
+    """pintail.cross_entropy with process_group: see its docstring."""
+    name = NAME
+    if target.dtype.is_floating_point:
+        raise ValueError(f"{name}: process_group takes class-index targets, got {target.dtype} probabilities")
+    if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
+        raise ValueError(f"{name}: weight must be a 1-D tensor of the whole vocabulary's classes")
+    _check(input, target, None, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    class_dim = 1 if input.dim() > 1 else 0
+    x = as_rows(input, class_dim)
+    t = (target if target.dim() == 1 else target.reshape(-1)).contiguous()
+    first_class, num_classes = parallel.vocabulary_slice(group, x.shape[1], name)
+    tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
+    if check_target and not tracing and t.numel():
+        check_target_values(t, num_classes, ignore_index, name)
+    compute = torch.promote_types(input.dtype, torch.float32)
+    loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
+    weight = weight.contiguous() if weight is not None else None
+    reduce = Reduction(reduction, t, weight, ignore_index, False, target.shape, compute, loss_dtype)
+    z_ratio = reduce.z_ratio(z_loss)
+    options = (ignore_index, float(label_smoothing), float(z_loss), 0.0 if softcap is None else float(softcap),
+               z_ratio)
+    (rows, stats), _ = parallel.logits_rows(x, t, weight, options, group, name)
+    outputs = [reduce(rows).to(loss_dtype)]
+    lse = stats.detach().sum(1)
+    if return_z_loss:
+        kept = (t != ignore_index).to(lse.dtype)
+        outputs.append(reduce(z_loss * lse**2 * kept * (z_ratio if z_ratio is not None else 1)).to(loss_dtype))
+    if return_lse:
+        outputs.append(lse.reshape(target.shape))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
@@ -466,8 +369,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
     if process_group is not None:
-        from .parallel import parallel_cross_entropy
-        return parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+        return _parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                       softcap, return_z_loss, return_lse, check_target, out_dtype, process_group)
     prob_target = _check(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if out_dtype not in (None, torch.float32):
@@ -491,11 +393,11 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
         if check_target and not tracing and t.numel() > 0:
             if runs_kernels(x) and x.dtype in KERNEL_DTYPES:
-                target_check = _TargetCheck(t, C, ignore_index)
+                target_check = TargetCheck(t, C, ignore_index, NAME)
             else:
-                _check_target_values(t, C, ignore_index)
+                check_target_values(t, C, ignore_index, NAME)
     loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
-    reduce = _Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape,
+    reduce = Reduction(reduction, t, weight, ignore_index, prob_target, batch_shape,
                         torch.promote_types(input.dtype, torch.float32), loss_dtype)
     z_ratio = reduce.z_ratio(z_loss)
     options = (ignore_index, float(label_smoothing), float(z_loss), float(softcap), prob_target, z_ratio)

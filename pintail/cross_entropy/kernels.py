@@ -5,71 +5,8 @@ import triton.language as tl
 
 from .._core import cluster
 from .._core.launch import aligned, in_row
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-
-REDUCTIONS = ("none", "mean", "sum")
-
-
-@triton.jit
-def _tanh_and_slope(x, softcap):
-    """tanh(x / softcap) and 1 - tanh^2, each within about torch's float32 error, from exp2
-    (no libdevice in the interpreter). Below |y| = 0.8 an odd polynomial (least-squares in
-    y^2 on [0, 0.64], 3e-11 from tanh), where 1 - 2 t / (1 + t) with t = exp(-2 |y|) would
-    lose the small result to cancellation; above, that form (its 2 t / (1 + t) at most 0.34,
-    a fast reciprocal's error scaled down by it), and the slope as 4 t / (1 + t)^2."""
-    y = x * (1.0 / softcap)
-    a = tl.abs(y)
-    t = tl.exp2(a * (-2.0 * LOG2E))
-    q = tl.fdiv(1.0, 1.0 + t)
-    s = a * a
-    series = 0.00020485865386519523
-    series = series * s - 0.0010893255770868563
-    series = series * s + 0.0033817294366315104
-    series = series * s - 0.008789334321345434
-    series = series * s + 0.021853849615883523
-    series = series * s - 0.053966369859698944
-    series = series * s + 0.13333321976539103
-    series = series * s - 0.3333333308631655
-    small = a + a * s * series
-    is_small = a < 0.8
-    tanh = tl.where(is_small, small, 1.0 - 2.0 * t * q)
-    slope = tl.where(is_small, (1.0 - small) * (1.0 + small), 4.0 * t * q * q)
-    return tl.where(y < 0, -tanh, tanh), slope
-
-
-@triton.jit
-def _tanh_over(x, softcap):
-    """tanh(x / softcap) (the slope's arithmetic is left out by the compiler)."""
-    tanh, _ = _tanh_and_slope(x, softcap)
-    return tanh
-
-
-@triton.jit
-def _softcapped(x, softcap):
-    """softcap * tanh(x / softcap)."""
-    return softcap * _tanh_over(x, softcap)
-
-
-@triton.jit
-def _weight_total(mass_ptr, row, V, HAS_WEIGHT: tl.constexpr):
-    """W = sum of the class weights that smoothing spreads over: V without weights, else the
-    sum the forward took of the weights it read for the row (mass[row]; a torch sum instead
-    cost two small kernels a call, forward and backward, and their host time)."""
-    if HAS_WEIGHT:
-        return tl.load(mass_ptr + row)
-    return V * 1.0
-
-
-@triton.jit
-def _z_scale(z_scale, z_ratio_ptr, Z_RATIO: tl.constexpr):
-    """The z-loss factor of a row: z, times the mean's (sum of the kept rows' class weights /
-    kept rows) where the loss is a weighted mean, so that the z-loss term is a mean over kept
-    rows whatever the weights' scale."""
-    if Z_RATIO:
-        z_scale = z_scale * tl.load(z_ratio_ptr)
-    return z_scale
+from .._loss.rows import (LN2, LOG2E, about_max, class_gradient, fold_chunk, gradient_factors, load_class_weights,
+                          load_logits, softcapped, store_row_loss, tanh_and_slope)
 
 
 @triton.jit
@@ -102,105 +39,7 @@ def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, i
     tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _target_check_kernel(target_ptr, count_ptr, M, V, ignore_index, BLOCK: tl.constexpr):
-    # One program: how many class indices lie outside [0, V) and are not ignore_index (the
-    # eager check; the host waits for this kernel only, not for the forward behind it).
-    bad = 0
-    for start in range(0, M, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        t = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
-        bad += tl.sum(((t != ignore_index) & ((t < 0) | (t >= V))).to(tl.int32), axis=0)
-    tl.store(count_ptr, bad)
-
-
 # ----------------------------------------------------------------------------- forward
-
-
-@triton.jit
-def _logits(x_row, cols, mask, softcap, SOFTCAP: tl.constexpr):
-    """A chunk of a row's logits in float32, softcapped if asked; -inf past the row's end."""
-    x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    if SOFTCAP:
-        x = tl.where(mask, _softcapped(x, softcap), -float("inf"))
-    return x
-
-
-@triton.jit
-def _class_weights(weights, classes, mask, HAS_WEIGHT: tl.constexpr):
-    """The class weights of a chunk in float32 (0 past the row's end), or the mask without
-    weights."""
-    if HAS_WEIGHT:
-        v = tl.load(weights + classes, mask=mask, other=0.0).to(tl.float32)
-    else:
-        v = mask
-    return v
-
-
-@triton.jit
-def _fold_chunk(x, v, running_max, running_sum, anchor, weighted_x, mass, SMOOTH: tl.constexpr,
-                WEIGHTED: tl.constexpr, MASS: tl.constexpr):
-    """Fold a chunk of logits x into the row's running (max, sum of exp(x - max)) and, for
-    smoothing, into sum_j v_j (x_j - anchor), with v the chunk's weights of that sum
-    (WEIGHTED; else v is the chunk's mask: weight 1) and, with MASS, into sum_j v_j. The
-    caller loads v beside x, before the max: a load the compiler finds after the max's
-    barrier is issued there and waits alone (weights + smoothing: 0.38 of
-    copy). The anchor is the row's first finite max (0 before it, while every logit so far is
-    -inf, whatever the anchor): the terms need no rescaling when the max moves, and every
-    sum of a chunk goes through one reduction (one barrier a chunk fewer than two sums; a
-    tl.reduce of the tuple is the same code on the GPU, but a Python loop in the interpreter)."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
-    shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # a chunk of -inf adds 0, not NaN
-    terms = tl.exp2((x - shift) * LOG2E)
-    if SMOOTH:
-        anchor = tl.where(running_max == -float("inf"), shift, anchor)
-        if WEIGHTED:
-            smoothed = tl.where(v != 0.0, v * (x - anchor), 0.0)  # v = 0 drops x = -inf (0 * -inf: NaN)
-        else:
-            smoothed = tl.where(v, x - anchor, 0.0)
-        if MASS:
-            sums, masses = tl.split(tl.sum(tl.join(tl.join(terms, smoothed), tl.join(v, v)), axis=0))
-            chunk_sum, chunk_smoothed = tl.split(sums)
-            mass += tl.split(masses)[0]
-        else:
-            chunk_sum, chunk_smoothed = tl.split(tl.sum(tl.join(terms, smoothed), axis=0))
-        weighted_x += chunk_smoothed
-    else:
-        chunk_sum = tl.sum(terms, axis=0)
-    running_sum = running_sum * tl.exp2((running_max - shift) * LOG2E) + chunk_sum
-    return new_max, running_sum, anchor, weighted_x, mass
-
-
-@triton.jit
-def _about_max(weighted_x, mass, running_max, anchor):
-    """sum_j v_j (x_j - max) from the sum about the anchor and mass = sum_j v_j."""
-    return weighted_x - mass * (tl.where(running_max == -float("inf"), 0.0, running_max) - anchor)
-
-
-@triton.jit
-def _store_row_loss(loss_ptr, stats_ptr, row, t, x_t, weight_ptr, running_max, running_sum, anchor, weighted_x,
-                    weight_total, V, ignore_index, smoothing, z_scale, z_ratio_ptr, HAS_WEIGHT: tl.constexpr,
-                    SMOOTH: tl.constexpr, Z_RATIO: tl.constexpr):
-    """A class-index row's loss (0 where ignored, NaN where its target is out of range) and its
-    (max, log-sum) from its folded sums (_fold_chunk), its target t, the target's logit x_t
-    and W = weight_total (read with SMOOTH only)."""
-    log_sum = tl.log2(running_sum) * LN2
-    lse = running_max + log_sum
-    ignored = t == ignore_index
-    in_range = (t >= 0) & (t < V)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t, mask=in_range & ~ignored, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    z_scale = _z_scale(z_scale, z_ratio_ptr, Z_RATIO)
-    loss = (1.0 - smoothing) * w_t * ((running_max - x_t) + log_sum) + z_scale * lse * lse
-    if SMOOTH:  # W * lse - sum_j w_j x_j; sum_j w_j (x_j - max) from the sum about the anchor
-        loss += smoothing / V * (weight_total * log_sum - _about_max(weighted_x, weight_total, running_max, anchor))
-    loss = tl.where(ignored, 0.0, loss)
-    loss = tl.where(in_range | ignored, loss, float("nan"))  # a bad target: NaN, never a wild read
-    tl.store(loss_ptr + row, loss)
-    tl.store(stats_ptr + 2 * row, running_max)
-    tl.store(stats_ptr + 2 * row + 1, log_sum)
 
 
 @triton.jit
@@ -234,27 +73,27 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stat
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = in_row(cols, span, EVEN)
-        x = _logits(chunks, cols, mask, softcap, SOFTCAP)
-        v = _class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, weight_total = _fold_chunk(
+        x = load_logits(chunks, cols, mask, softcap, SOFTCAP)
+        v = load_class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
+        running_max, running_sum, anchor, weighted_x, weight_total = fold_chunk(
             x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
     if SHIFT:
         at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
-        x = _logits(chunks, at, ends, softcap, SOFTCAP)
-        v = _class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, weight_total = _fold_chunk(
+        x = load_logits(chunks, at, ends, softcap, SOFTCAP)
+        v = load_class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
+        running_max, running_sum, anchor, weighted_x, weight_total = fold_chunk(
             x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
     t = tl.load(target_ptr + row).to(tl.int64)
     readable = (t >= 0) & (t < V) & (t != ignore_index)
     x_t = tl.load(x_row + t, mask=readable, other=0.0).to(tl.float32)
     if SOFTCAP:
-        x_t = _softcapped(x_t, softcap)
+        x_t = softcapped(x_t, softcap)
     if SMOOTH:
         if HAS_WEIGHT:
             tl.store(mass_ptr + row, weight_total)
         else:
             weight_total = V * 1.0
-    _store_row_loss(loss_ptr, stats_ptr, row, t, x_t, weight_ptr, running_max, running_sum, anchor, weighted_x,
+    store_row_loss(loss_ptr, stats_ptr, row, t, x_t, weight_ptr, running_max, running_sum, anchor, weighted_x,
                     weight_total, V, ignore_index, smoothing, z_scale, z_ratio_ptr, HAS_WEIGHT, SMOOTH, Z_RATIO)
 
 
@@ -264,7 +103,7 @@ def _target_weights(y_chunks, at, mask, weights, smoothing, V, HAS_WEIGHT: tl.co
     y = tl.load(y_chunks + at, mask=mask, other=0.0).to(tl.float32)
     y = tl.where(mask, (1.0 - smoothing) * y + smoothing / V, 0.0)
     if HAS_WEIGHT:
-        y *= _class_weights(weights, at, mask, True)
+        y *= load_class_weights(weights, at, mask, True)
     return y
 
 
@@ -274,7 +113,7 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, sta
                           BLOCK: tl.constexpr, ALIGN: tl.constexpr, SHIFT: tl.constexpr = 0,
                           EVEN: tl.constexpr = False):
     # Probability targets: one pass for (max, log-sum), A = sum_j w_j y'_j (x_j - max) (from
-    # its sum about the anchor, _fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
+    # its sum about the anchor, fold_chunk) and B = sum_j w_j y'_j; loss = B * log-sum - A.
     # SHIFT: the logits' and the targets' rows from the same boundary, as in _forward_kernel
     # (cluster.window: their row strides agree modulo SHIFT). EVEN as in _forward_kernel.
     V, x_row_stride, y_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
@@ -294,19 +133,19 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, sta
     for start in range(0, span, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = in_row(cols, span, EVEN)
-        x = _logits(x_chunks, cols, mask, softcap, SOFTCAP)
+        x = load_logits(x_chunks, cols, mask, softcap, SOFTCAP)
         y = _target_weights(y_chunks, cols, mask, row_weights, smoothing, V, HAS_WEIGHT)
-        running_max, running_sum, anchor, target_x, mass = _fold_chunk(
+        running_max, running_sum, anchor, target_x, mass = fold_chunk(
             x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
     if SHIFT:
         at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
-        x = _logits(x_chunks, at, ends, softcap, SOFTCAP)
+        x = load_logits(x_chunks, at, ends, softcap, SOFTCAP)
         y = _target_weights(y_chunks, at, ends, weight_ptr + first, smoothing, V, HAS_WEIGHT)
-        running_max, running_sum, anchor, target_x, mass = _fold_chunk(
+        running_max, running_sum, anchor, target_x, mass = fold_chunk(
             x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
-    tl.store(loss_ptr + row, mass * log_sum - _about_max(target_x, mass, running_max, anchor) + z_scale * lse * lse)
+    tl.store(loss_ptr + row, mass * log_sum - about_max(target_x, mass, running_max, anchor) + z_scale * lse * lse)
     tl.store(stats_ptr + 2 * row, running_max)
     tl.store(stats_ptr + 2 * row + 1, log_sum)
     tl.store(mass_ptr + row, mass)
@@ -352,58 +191,21 @@ def _backward_kernel(dx_ptr, x_ptr, target_ptr, weight_ptr, stats_ptr, mass_ptr,
     # 0 in an ignored row, NaN where the target is out of range
     g = tl.where(ignored, 0.0, tl.where(in_range, _row_gradient(grad_ptr, denom_ptr, row, grad_stride, MEAN),
                                          float("nan")))
-    coef, hit, spread = _gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale,
+    coef, hit, spread = gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale,
                                           z_ratio_ptr, mass_ptr, row, V, HAS_WEIGHT, SMOOTH, Z_RATIO)
     x_chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
     dx_chunks = dx_ptr + cluster.slice_start(row, dx_row_stride, SHIFT)
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
-    d = _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, weight_ptr + first,
+    d = class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, weight_ptr + first,
                         HAS_WEIGHT, SMOOTH, SOFTCAP)
     tl.store(dx_chunks + at, d.to(dx_ptr.dtype.element_ty), mask=mask)
     if SHIFT:
         if tl.program_id(1) == 0:
             ends_at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
             x_ends = tl.load(x_chunks + ends_at, mask=ends, other=0.0).to(tl.float32)
-            d_ends = _class_gradient(x_ends, ends_at, ends, target_at, row_max, log_sum, coef, hit, spread, softcap,
+            d_ends = class_gradient(x_ends, ends_at, ends, target_at, row_max, log_sum, coef, hit, spread, softcap,
                                      weight_ptr + first, HAS_WEIGHT, SMOOTH, SOFTCAP)
             tl.store(dx_chunks + ends_at, d_ends.to(dx_ptr.dtype.element_ty), mask=ends)
-
-
-@triton.jit
-def _gradient_factors(g, t, in_range, weight_ptr, row_max, log_sum, smoothing, z_scale, z_ratio_ptr, total_ptr,
-                      total_index, V, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, Z_RATIO: tl.constexpr):
-    """(coef, hit, spread) of a class-index row, each times its loss gradient g:
-    dloss/dx_k = p_k * coef - hit [k == t] - spread * w_k. W (smoothing with weights) is
-    total_ptr[total_index] (_weight_total)."""
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t, mask=in_range, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    coef = (1.0 - smoothing) * w_t + 2.0 * _z_scale(z_scale, z_ratio_ptr, Z_RATIO) * (row_max + log_sum)
-    if SMOOTH:
-        coef += smoothing / V * _weight_total(total_ptr, total_index, V, HAS_WEIGHT)
-    return coef * g, (1.0 - smoothing) * w_t * g, smoothing / V * g
-
-
-@triton.jit
-def _class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, softcap, weights,
-                    HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The gradient of logits x at classes `at` (from `weights`' class, where mask), the
-    target at `target_at`, with the row's factors already times its loss gradient."""
-    if SOFTCAP:
-        tanh, slope = _tanh_and_slope(x, softcap)
-        x = softcap * tanh
-    # x - max exact, as in the forward (logits of 1e4 keep their probabilities)
-    p = tl.exp2((x - row_max) * LOG2E - log_sum * LOG2E)
-    d = p * coef - tl.where(at == target_at, hit, 0.0)
-    if SMOOTH:
-        if HAS_WEIGHT:
-            d -= spread * _class_weights(weights, at, mask, True)
-        else:
-            d -= spread
-    if SOFTCAP:
-        d *= slope
-    return d
 
 
 @triton.jit
@@ -446,12 +248,12 @@ def _probs_gradient(x_chunks, y_chunks, at, mask, weights, row_max, log_sum, coe
     g (p_k coef' - w_k y'_k), coef' = B + 2 z lse, times the softcap's derivative."""
     x = tl.load(x_chunks + at, mask=mask, other=0.0).to(tl.float32)
     if SOFTCAP:
-        tanh, slope = _tanh_and_slope(x, softcap)
+        tanh, slope = tanh_and_slope(x, softcap)
         x = softcap * tanh
     y = tl.load(y_chunks + at, mask=mask, other=0.0).to(tl.float32)
     y = y * ((1.0 - smoothing) * g) + smoothing / V * g
     if HAS_WEIGHT:
-        y *= _class_weights(weights, at, mask, True)
+        y *= load_class_weights(weights, at, mask, True)
     d = tl.exp2((x - row_max) * LOG2E - log_sum * LOG2E) * coef - y
     if SOFTCAP:
         d *= slope

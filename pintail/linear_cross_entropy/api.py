@@ -3,14 +3,15 @@
 import torch
 import torch.nn.functional as F
 
+from .. import parallel
 from .._core.launch import no_second_derivative
+from .._loss import chunks
+from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_loss_options, check_target_values,
+                            checked)
+from .._loss.kernels import STATE_COLUMNS
 from ..cross_entropy import cross_entropy
-from ..cross_entropy.api import (_check_target_values, _Reduction, _TargetCheck, check_class_weight, checked,
-                                 check_loss_options)
-from . import chunks, plans, tokens
-from .kernels import STATE_COLUMNS
-
-NAME = "pintail.linear_cross_entropy"
+from . import plans, tokens
+from .plans import NAME
 
 
 # --------------------------------------------------------------- tensor-level functions
@@ -32,7 +33,7 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
     state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
     weight_total = chunks.weight_total(weight, smoothing, compute)
     options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
-    for start, stop, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
+    for start, stop, logits in chunks.logit_chunks(x, linear_weight, linear_bias, columns):
         chunks.fold(logits, start, V, target, weight, weight_total, state, loss, stats, options, start == 0, stop == V)
     return loss, stats
 
@@ -40,67 +41,20 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
 def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None,
               target: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, ignore_index: int,
               smoothing: float, z_scale: float, softcap: float, z_ratio: torch.Tensor | None,
-              memory_budget: int | None, need_input: bool, need_weight: bool, need_bias: bool,
-              first_class: int = 0, num_classes: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              memory_budget: int | None, need_input: bool, need_weight: bool, need_bias: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db) from the gradient of each row's loss (grad, shape (M,)), the logits
-    recomputed chunk by chunk and their gradient written over them; a gradient not asked for
-    is an empty tensor. dW's rows of a chunk come from one GEMM (summed in float32 by it); dx
-    is summed over the chunks in float32 for 16-bit x. The head's rows are classes
-    first_class ... of num_classes (-1: the head is the whole vocabulary)."""
-    M, K = x.shape
-    V = linear_weight.shape[0]
-    num_classes = V if num_classes < 0 else num_classes
-    need_bias = need_bias and linear_bias is not None
-    accumulates = chunks.accumulates(x, need_input)
-    columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, accumulates)
-    accumulates = accumulates and columns < V
-    dx = x.new_zeros(M, K, dtype=torch.float32 if accumulates else x.dtype) if need_input else x.new_empty(0)
-    dW = torch.empty_like(linear_weight) if need_weight else x.new_empty(0)
-    db = torch.empty_like(linear_bias) if need_bias else x.new_empty(0)
-    if M == 0:
-        dW.zero_(), db.zero_()
-        return dx.to(x.dtype), dW, db
-    if not (need_input or need_weight or need_bias):
-        return dx, dW, db
-    weight_total = chunks.weight_total(weight, smoothing, stats.dtype)
-    options = (ignore_index, smoothing, z_scale, softcap, z_ratio)
-    grad = grad.to(stats.dtype).expand(M)
-    for start, stop, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
-        chunks.gradient(logits, first_class + start, num_classes, target, weight, weight_total, stats, grad, options)
-        if need_input:
-            chunks.add_product(dx, logits, linear_weight[start:stop])
-        if need_weight:
-            torch.mm(logits.t(), x, out=dW[start:stop])
-        if need_bias:
-            db[start:stop] = logits.sum(0, dtype=stats.dtype)
-    return dx.to(x.dtype), dW, db
+    recomputed chunk by chunk (chunks.head_gradients) in chunks that fit the budget; a
+    gradient not asked for is an empty tensor."""
+    (M, K), V = x.shape, linear_weight.shape[0]
+    columns = plans.chunk_columns(M, V, K, x.element_size(), memory_budget, chunks.accumulates(x, need_input))
+    return chunks.head_gradients(grad, x, linear_weight, linear_bias, target, weight, stats,
+                                 (ignore_index, smoothing, z_scale, softcap, z_ratio), columns, need_input,
+                                 need_weight, need_bias)
 
 
 # ------------------------------------------------------------- torch.library and autograd
 # One path, eager and compiled: a call's host time is small beside its GEMMs.
-
-def _partials(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
-              weight: torch.Tensor | None, first_class: int, num_classes: int, smoothing: float, softcap: float,
-              memory_budget: int | None) -> torch.Tensor:
-    """Each row's running state (kernels.STATE_COLUMNS, float32) over the logits of this head's
-    rows, classes first_class ... of num_classes, chunk by chunk (a vocabulary-parallel head)."""
-    M, K = x.shape
-    compute = torch.promote_types(x.dtype, torch.float32)
-    state = x.new_empty(M, STATE_COLUMNS, dtype=compute)
-    if M == 0:
-        return state
-    columns = plans.chunk_columns(M, linear_weight.shape[0], K, x.element_size(), memory_budget, accumulates=False)
-    weight_total = chunks.weight_total(weight, smoothing, compute)
-    options = (-100, smoothing, 0.0, softcap, None)
-    for start, _, logits in chunks.chunks(x, linear_weight, linear_bias, columns):
-        chunks.fold(logits, first_class + start, num_classes, target, weight, weight_total, state, state, state, options,
-              start == 0, False)
-    return state
-
-
-_partials_op = torch.library.custom_op("pintail::linear_cross_entropy_partials", _partials, mutates_args=())
-_partials_op.register_fake(lambda x, *rest: x.new_empty(x.shape[0], STATE_COLUMNS,
-                                                         dtype=torch.promote_types(x.dtype, torch.float32)))
 
 _forward_op = torch.library.custom_op("pintail::linear_cross_entropy_forward", _forward, mutates_args=())
 
@@ -119,7 +73,7 @@ _backward_op = torch.library.custom_op("pintail::linear_cross_entropy_backward",
 @_backward_op.register_fake
 def _linear_cross_entropy_backward_fake(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index,
                                         smoothing, z_scale, softcap, z_ratio, memory_budget, need_input,
-                                        need_weight, need_bias, first_class=0, num_classes=-1):
+                                        need_weight, need_bias):
     """dx, dW, db like x, linear_weight and linear_bias, or empty where not asked for."""
     need_bias = need_bias and linear_bias is not None
     return (torch.empty_like(x) if need_input else x.new_empty(0),
@@ -259,6 +213,14 @@ def _autocast(input, linear_weight, linear_bias):
     return (*cast, linear_weight if linear_weight.dtype == torch.float32 else cast[1])
 
 
+def _parallel_columns(x, linear_weight, memory_budget):
+    """The classes a chunk of a rank's rows of the head takes in the forward and the backward."""
+    (M, K), V = x.shape, linear_weight.shape[0]
+    need_input = torch.is_grad_enabled() and x.requires_grad
+    return tuple(plans.chunk_columns(M, V, K, x.element_size(), memory_budget, sums)
+                 for sums in (False, chunks.accumulates(x, need_input)))
+
+
 def _plan(x, linear_weight, linear_bias, head_weight, reduction, memory_budget):
     """The plan this call takes (plans.choose)."""
     grad = torch.is_grad_enabled()
@@ -310,10 +272,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     """
     ignore_index = -100 if ignore_index is None else ignore_index
     input, linear_weight, linear_bias, head_weight = _autocast(input, linear_weight, linear_bias)
-    parallel = process_group is not None
-    prob_target = _check(input, linear_weight, target, linear_bias, None if parallel else weight, reduction,
+    split = process_group is not None
+    prob_target = _check(input, linear_weight, target, linear_bias, None if split else weight, reduction,
                          label_smoothing, z_loss, softcap, out_dtype)
-    if parallel and prob_target:
+    if split and prob_target:
         raise ValueError(f"{NAME}: process_group takes class-index targets, got {target.dtype} probabilities")
     if weight is not None and weight.requires_grad and torch.is_grad_enabled() and not prob_target:
         raise RuntimeError(f"{NAME}: not differentiable with respect to weight for class-index targets (as torch's "
@@ -336,26 +298,24 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     weight = weight.contiguous() if weight is not None else None
     target_check = None
     tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
-    if parallel:
-        from ..cross_entropy.parallel import vocabulary_slice
-        V = vocabulary_slice(process_group, V, NAME)[1]  # the whole vocabulary, for the target check
+    if split:
+        V = parallel.vocabulary_slice(process_group, V, NAME)[1]  # the whole vocabulary, for the target check
     if check_target and not tracing and M > 0:
-        if chunks.on_kernels(x) and not parallel:
-            target_check = _TargetCheck(t, V, ignore_index, NAME)
+        if chunks.on_kernels(x) and not split:
+            target_check = TargetCheck(t, V, ignore_index, NAME)
         else:
-            _check_target_values(t, V, ignore_index, NAME)
+            check_target_values(t, V, ignore_index, NAME)
     compute = torch.promote_types(input.dtype, torch.float32)
     loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
-    reduce = _Reduction(reduction, t, weight, ignore_index, False, batch_shape, compute, loss_dtype)
+    reduce = Reduction(reduction, t, weight, ignore_index, False, batch_shape, compute, loss_dtype)
     z_ratio = reduce.z_ratio(z_loss)
     softcap = 0.0 if softcap is None else float(softcap)
     options = (ignore_index, float(label_smoothing), float(z_loss), softcap, z_ratio)
 
     def rows_and_stats():
-        if parallel:
-            from ..cross_entropy.parallel import parallel_head_rows
-            return parallel_head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options, process_group,
-                                      memory_budget, NAME)[0]
+        if process_group is not None:
+            return parallel.head_rows(x, linear_weight.contiguous(), linear_bias, t, weight, options, process_group,
+                                      _parallel_columns(x, linear_weight, memory_budget), NAME)[0]
         plan = _plan(x, linear_weight, linear_bias, head_weight, reduction, memory_budget)
         if plan.kind == "logits":
             return _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, weight, options)

@@ -13,7 +13,9 @@ three-GEMM plans the one with the widest GEMMs.
 
 import dataclasses
 
-from .._core.launch import cdiv
+from .._loss.plans import buffer_columns
+
+NAME = "pintail.linear_cross_entropy"
 
 # The vocabulary chunks' default workspace holds about 1/32 of the logits (a goal of 3 % of the
 # bf16 logits), in chunks no narrower than MIN_CHUNK_COLUMNS.
@@ -22,20 +24,6 @@ DEFAULT_LOGITS_FRACTION = 32
 # narrowest chunk a budget may ask for.
 CHUNK_MULTIPLE = 256
 MIN_CHUNK_COLUMNS = 256
-# The chunk buffer's rows start on 128-byte boundaries whatever the chunk's width (cuBLAS
-# writes rows of an odd leading dimension at a fraction of its rate).
-BUFFER_ROW_MULTIPLE = 64
-# The fold kernel: one program a row of a chunk, BLOCK columns a step.
-FOLD_BLOCK, FOLD_WARPS = 4096, 4
-GRADIENT_WARPS = 4
-# The CPU sums dx in float32 from float32 copies of this many columns of a 16-bit chunk at a
-# time (it has no mixed-precision GEMM).
-CPU_ACCUMULATE_COLUMNS = 16
-
-
-def buffer_columns(width: int) -> int:
-    """The row stride, in elements, of a buffer for chunks of `width` columns."""
-    return cdiv(width, BUFFER_ROW_MULTIPLE) * BUFFER_ROW_MULTIPLE
 
 
 def default_budget(M: int, V: int, K: int, element_size: int, accumulates: bool) -> int:

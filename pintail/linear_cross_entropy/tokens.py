@@ -15,9 +15,10 @@ weights) the dW sum is the weight's gradient itself, with no other V x K buffer.
 import torch
 
 from .._core.launch import no_second_derivative
-from . import plans
-from .chunks import NAME, add_product, fold, gradient, padded_head, weight_total
-from .kernels import STATE_COLUMNS
+from .._loss.chunks import add_product, fold, gradient, padded_head, weight_total
+from .._loss.kernels import STATE_COLUMNS
+from .._loss.plans import buffer_columns
+from .plans import NAME
 
 
 def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
@@ -32,7 +33,7 @@ def _forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Te
     loss, stats = x.new_empty(M, dtype=compute), x.new_empty(M, 2, dtype=compute)
     dx = x.new_zeros(M, K, dtype=compute) if need_input else x.new_empty(0)
     # over the padded vocabulary (padded_head); its first V rows are returned, not copied
-    dW_sum = x.new_zeros(plans.buffer_columns(V), K, dtype=compute) if need_weight else x.new_empty(0)
+    dW_sum = x.new_zeros(buffer_columns(V), K, dtype=compute) if need_weight else x.new_empty(0)
     db = x.new_zeros(V, dtype=compute) if need_bias and linear_bias is not None else x.new_empty(0)
     if M == 0:
         return loss, stats, dx, dW_sum[:V], db

@@ -1,6 +1,7 @@
-"""The vocabulary-chunk loop's pieces, which the token-chunk plan and the vocabulary-parallel
-head share: the logits of a chunk by GEMM into a reused buffer, the fold and gradient
-kernels over a chunk, and a GEMM summed into a float32 accumulator."""
+"""The pieces of a loss over chunks of a row's classes, which the fused heads' plans and the
+vocabulary-parallel loss share: the fold and gradient kernels' launches over a chunk, the
+logits of a chunk by GEMM into a reused buffer, a GEMM summed into a float32 accumulator,
+and the vocabulary-chunk loops over a head (or a rank's rows of it)."""
 
 import warnings
 
@@ -8,11 +9,8 @@ import torch
 
 from .. import reference
 from .._core.launch import KERNEL_DTYPES, launch, row_alignment, runs_kernels
-from ..cross_entropy import plans as cross_entropy_plans
 from . import plans
-from .kernels import _fold_kernel, _gradient_kernel
-
-NAME = "pintail.linear_cross_entropy"
+from .kernels import STATE_COLUMNS, fold_kernel, gradient_kernel
 
 
 def on_kernels(x):
@@ -24,7 +22,7 @@ def accumulates(x, need_input):
     return need_input and x.element_size() < 4
 
 
-def chunks(x, linear_weight, linear_bias, columns):
+def logit_chunks(x, linear_weight, linear_bias, columns):
     """(first class, past-last class, logits) of each chunk of `columns` classes in turn, the
     logits x W[chunk]^T + b[chunk] written into one buffer that every chunk reuses."""
     M, V = x.shape[0], linear_weight.shape[0]
@@ -73,7 +71,7 @@ def fold(logits, start, V, target, weight, weight_total, state, loss, stats, opt
         return
     n = logits.shape[1]
     placeholder = state
-    launch(_fold_kernel, (logits.shape[0],), logits, logits.stride(0), n, start, V, target,
+    launch(fold_kernel, (logits.shape[0],), logits, logits.stride(0), n, start, V, target,
            weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
            state, loss, stats, z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing, z_scale,
            softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0, FIRST=first, LAST=last,
@@ -90,10 +88,10 @@ def gradient(logits, start, V, target, weight, weight_total, stats, grad, option
             logits, start, V, target, weight, weight_total, stats, grad, ignore_index, smoothing, z, softcap))
         return
     M, n = logits.shape
-    heavy = cross_entropy_plans._heavy_body(weight, smoothing, softcap)
-    block, blocks = cross_entropy_plans._backward_chunks(n, 0, heavy)
+    heavy = plans.heavy_body(weight, smoothing, softcap)
+    block, blocks = plans.backward_chunks(n, 0, heavy)
     placeholder = stats
-    launch(_gradient_kernel, (M, blocks), logits, logits.stride(0), n, start, V, target,
+    launch(gradient_kernel, (M, blocks), logits, logits.stride(0), n, start, V, target,
            weight if weight is not None else placeholder, weight_total if weight_total is not None else placeholder,
            stats, grad, grad.stride(0), z_ratio if z_ratio is not None else placeholder, ignore_index, smoothing,
            z_scale, softcap, HAS_WEIGHT=weight is not None, SMOOTH=smoothing > 0, SOFTCAP=softcap > 0,
@@ -118,10 +116,58 @@ def add_product(accumulator, a, b):
                 return
             except (RuntimeError, TypeError) as error:  # refused before writing anything
                 _MIXED_GEMM["cuda"] = False
-                warnings.warn(f"{NAME}: torch.addmm(out_dtype=float32) is not available ({error}); the float32 "
+                warnings.warn(f"pintail: torch.addmm(out_dtype=float32) is not available ({error}); the float32 "
                               f"sums take 16-bit products of each chunk instead", stacklevel=2)
         accumulator += torch.mm(a, b)  # each chunk's product rounded once, the sum in float32
     else:
         for start in range(0, a.shape[1], plans.CPU_ACCUMULATE_COLUMNS):
             stop = start + plans.CPU_ACCUMULATE_COLUMNS
             accumulator.addmm_(a[:, start:stop].to(accumulator.dtype), b[start:stop].to(accumulator.dtype))
+
+
+def head_state(x, linear_weight, linear_bias, target, weight, first_class, num_classes, smoothing, softcap, columns):
+    """Each row's running state (kernels.STATE_COLUMNS) over the logits x W^T + b of the head's
+    rows, classes first_class ... of num_classes, in chunks of `columns` classes."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    state = x.new_empty(x.shape[0], STATE_COLUMNS, dtype=compute)
+    if x.shape[0] == 0:
+        return state
+    total = weight_total(weight, smoothing, compute)
+    options = (-100, smoothing, 0.0, softcap, None)
+    for start, _, logits in logit_chunks(x, linear_weight, linear_bias, columns):
+        fold(logits, first_class + start, num_classes, target, weight, total, state, state, state, options,
+             start == 0, False)
+    return state
+
+
+def head_gradients(grad, x, linear_weight, linear_bias, target, weight, stats, options, columns, need_input,
+                   need_weight, need_bias, first_class=0, num_classes=-1):
+    """(dx, dW, db) from the gradient of each row's loss (grad, (M,)), each chunk of `columns`
+    classes' logits computed again and their gradient written over them; a gradient not asked
+    for is an empty tensor. dW's rows of a chunk come from one GEMM (summed in float32 by it);
+    dx is summed over the chunks in float32 for 16-bit x. The head's rows are classes
+    first_class ... of num_classes (-1: the head is the whole vocabulary)."""
+    M, K = x.shape
+    V = linear_weight.shape[0]
+    num_classes = V if num_classes < 0 else num_classes
+    need_bias = need_bias and linear_bias is not None
+    sums_dx = accumulates(x, need_input) and columns < V
+    dx = x.new_zeros(M, K, dtype=torch.float32 if sums_dx else x.dtype) if need_input else x.new_empty(0)
+    dW = torch.empty_like(linear_weight) if need_weight else x.new_empty(0)
+    db = torch.empty_like(linear_bias) if need_bias else x.new_empty(0)
+    if M == 0:
+        dW.zero_(), db.zero_()
+        return dx.to(x.dtype), dW, db
+    if not (need_input or need_weight or need_bias):
+        return dx, dW, db
+    total = weight_total(weight, options[1], stats.dtype)
+    grad = grad.to(stats.dtype).expand(M)
+    for start, stop, logits in logit_chunks(x, linear_weight, linear_bias, columns):
+        gradient(logits, first_class + start, num_classes, target, weight, total, stats, grad, options)
+        if need_input:
+            add_product(dx, logits, linear_weight[start:stop])
+        if need_weight:
+            torch.mm(logits.t(), x, out=dW[start:stop])
+        if need_bias:
+            db[start:stop] = logits.sum(0, dtype=stats.dtype)
+    return dx.to(x.dtype), dW, db

@@ -1,4 +1,6 @@
-"""Cross-entropy over a vocabulary split across the ranks of a process group.
+"""Cross-entropy over a vocabulary split across the ranks of a process group, for every loss
+that takes process_group: logits split by classes (cross_entropy) or a head split by rows
+(linear_cross_entropy).
 
 Each rank holds the logits (or the head's rows) of its slice of the classes, in rank order.
 A rank folds its slice into five float32 values a row with linear_cross_entropy's kernel
@@ -14,9 +16,8 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .._core.launch import as_rows
-from ..linear_cross_entropy.chunks import fold, gradient, weight_total
-from ..linear_cross_entropy.kernels import STATE_COLUMNS
+from ._loss.chunks import fold, gradient, head_gradients, head_state, weight_total
+from ._loss.kernels import STATE_COLUMNS
 
 _SLICES = {}
 
@@ -145,7 +146,7 @@ class _ParallelRows(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-def parallel_rows(x, target, weight, options, group, name):
+def logits_rows(x, target, weight, options, group, name):
     """(row losses, stats) of logits rows x (M, local classes) split over `group`."""
     first_class, num_classes = vocabulary_slice(group, x.shape[1], name)
     if weight is not None and weight.shape[0] != num_classes:
@@ -154,39 +155,39 @@ def parallel_rows(x, target, weight, options, group, name):
     return _ParallelRows.apply(x, target, weight, options, first_class, num_classes, group), num_classes
 
 
-def parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                           return_z_loss, return_lse, check_target, out_dtype, group):
-    """pintail.cross_entropy with process_group: see its docstring."""
-    from .api import _check, _check_target_values, _Reduction
-    name = "pintail.cross_entropy"
-    if target.dtype.is_floating_point:
-        raise ValueError(f"{name}: process_group takes class-index targets, got {target.dtype} probabilities")
-    if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
-        raise ValueError(f"{name}: weight must be a 1-D tensor of the whole vocabulary's classes")
-    _check(input, target, None, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    class_dim = 1 if input.dim() > 1 else 0
-    x = as_rows(input, class_dim)
-    t = (target if target.dim() == 1 else target.reshape(-1)).contiguous()
-    first_class, num_classes = vocabulary_slice(group, x.shape[1], name)
-    tracing = torch.compiler.is_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing())
-    if check_target and not tracing and t.numel():
-        _check_target_values(t, num_classes, ignore_index, name)
-    compute = torch.promote_types(input.dtype, torch.float32)
-    loss_dtype = torch.promote_types(input.dtype, out_dtype) if out_dtype is not None else input.dtype
-    weight = weight.contiguous() if weight is not None else None
-    reduce = _Reduction(reduction, t, weight, ignore_index, False, target.shape, compute, loss_dtype)
-    z_ratio = reduce.z_ratio(z_loss)
-    options = (ignore_index, float(label_smoothing), float(z_loss), 0.0 if softcap is None else float(softcap),
-               z_ratio)
-    (rows, stats), _ = parallel_rows(x, t, weight, options, group, name)
-    outputs = [reduce(rows).to(loss_dtype)]
-    lse = stats.detach().sum(1)
-    if return_z_loss:
-        kept = (t != ignore_index).to(lse.dtype)
-        outputs.append(reduce(z_loss * lse**2 * kept * (z_ratio if z_ratio is not None else 1)).to(loss_dtype))
-    if return_lse:
-        outputs.append(lse.reshape(target.shape))
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+def _head_state(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
+                weight: torch.Tensor | None, first_class: int, num_classes: int, smoothing: float, softcap: float,
+                columns: int) -> torch.Tensor:
+    return head_state(x, linear_weight, linear_bias, target, weight, first_class, num_classes, smoothing, softcap,
+                      columns)
+
+
+_head_state_op = torch.library.custom_op("pintail::vocab_parallel_head_state", _head_state, mutates_args=())
+_head_state_op.register_fake(lambda x, *rest: x.new_empty(x.shape[0], STATE_COLUMNS,
+                                                           dtype=torch.promote_types(x.dtype, torch.float32)))
+
+
+def _head_backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None,
+                   target: torch.Tensor, weight: torch.Tensor | None, stats: torch.Tensor, ignore_index: int,
+                   smoothing: float, z_scale: float, softcap: float, z_ratio: torch.Tensor | None, columns: int,
+                   need_input: bool, need_weight: bool, need_bias: bool, first_class: int, num_classes: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return head_gradients(grad, x, linear_weight, linear_bias, target, weight, stats,
+                          (ignore_index, smoothing, z_scale, softcap, z_ratio), columns, need_input, need_weight,
+                          need_bias, first_class, num_classes)
+
+
+_head_backward_op = torch.library.custom_op("pintail::vocab_parallel_head_backward", _head_backward, mutates_args=())
+
+
+@_head_backward_op.register_fake
+def _head_backward_fake(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index, smoothing, z_scale,
+                        softcap, z_ratio, columns, need_input, need_weight, need_bias, first_class, num_classes):
+    """dx, dW, db like x, linear_weight and linear_bias, or empty where not asked for."""
+    need_bias = need_bias and linear_bias is not None
+    return (torch.empty_like(x) if need_input else x.new_empty(0),
+            torch.empty_like(linear_weight) if need_weight else x.new_empty(0),
+            torch.empty_like(linear_bias) if need_bias else x.new_empty(0))
 
 
 class _ParallelHead(torch.autograd.Function):
@@ -195,39 +196,38 @@ class _ParallelHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, linear_weight, linear_bias, target, weight, options, first_class, num_classes, group,
-                memory_budget):
-        from ..linear_cross_entropy.api import _partials_op
+                columns):
         ignore_index, smoothing, z_scale, softcap, z_ratio = options
-        state = _partials_op(x, linear_weight, linear_bias, target, weight, first_class, num_classes, smoothing,
-                             softcap, memory_budget)
+        state = _head_state_op(x, linear_weight, linear_bias, target, weight, first_class, num_classes, smoothing,
+                               softcap, columns[0])
         mass = local_mass(weight, first_class, linear_weight.shape[0], smoothing, state.dtype, x.device)
         rows, stats = combine(state, mass, target, weight, num_classes, group, ignore_index, smoothing, z_scale,
                               z_ratio)
         ctx.save_for_backward(x, linear_weight, linear_bias, target, weight, stats, z_ratio)
-        ctx.options, ctx.slice, ctx.group, ctx.memory_budget = options, (first_class, num_classes), group, memory_budget
+        ctx.options, ctx.slice, ctx.group, ctx.columns = options, (first_class, num_classes), group, columns[1]
         ctx.mark_non_differentiable(stats)
         return rows, stats
 
     @staticmethod
     def backward(ctx, grad, _):
-        from ..linear_cross_entropy.api import _backward_op
         x, linear_weight, linear_bias, target, weight, stats, z_ratio = ctx.saved_tensors
         ignore_index, smoothing, z_scale, softcap, _ = ctx.options
         need = ctx.needs_input_grad
-        dx, dW, db = _backward_op(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index, smoothing,
-                                  z_scale, softcap, z_ratio, ctx.memory_budget, need[0], need[1],
-                                  need[2] and linear_bias is not None, *ctx.slice)
+        dx, dW, db = _head_backward_op(grad, x, linear_weight, linear_bias, target, weight, stats, ignore_index,
+                                       smoothing, z_scale, softcap, z_ratio, ctx.columns, need[0], need[1],
+                                       need[2] and linear_bias is not None, *ctx.slice)
         if need[0]:
             dx = funcol.all_reduce(dx, "sum", ctx.group)  # x feeds every rank's slice
         return (dx if need[0] else None, dW if need[1] else None, db if need[2] and linear_bias is not None else None,
                 None, None, None, None, None, None, None)
 
 
-def parallel_head_rows(x, linear_weight, linear_bias, target, weight, options, group, memory_budget, name):
-    """(row losses, stats) of a head whose rows are split over `group`."""
+def head_rows(x, linear_weight, linear_bias, target, weight, options, group, columns, name):
+    """(row losses, stats) of a head whose rows are split over `group`; columns: the classes a
+    chunk in the forward and in the backward (the caller's plan)."""
     first_class, num_classes = vocabulary_slice(group, linear_weight.shape[0], name)
     if weight is not None and weight.shape[0] != num_classes:
         raise ValueError(f"{name}: weight must have one entry per class of the whole vocabulary ({num_classes}, "
                          f"the ranks' slices together), got {weight.shape[0]}")
     return _ParallelHead.apply(x, linear_weight, linear_bias, target, weight, options, first_class, num_classes,
-                               group, memory_budget), num_classes
+                               group, columns), num_classes
