@@ -2,13 +2,15 @@
 
 from . import nn
 from .cross_entropy import cross_entropy
+from .distillation import linear_distillation_loss
 from .gated import geglu, swiglu
 from .linear_cross_entropy import linear_cross_entropy
+from .log_probs import linear_log_probs, log_probs
 from .norm import layer_norm, rms_norm
 from .rotary import apply_rotary, rotary
 from .softmax import log_softmax, softmax
 from .transformers import patch
 
-__all__ = ["apply_rotary", "cross_entropy", "geglu", "layer_norm", "linear_cross_entropy", "log_softmax", "nn",
-           "patch", "rms_norm", "rotary", "softmax", "swiglu"]
+__all__ = ["apply_rotary", "cross_entropy", "geglu", "layer_norm", "linear_cross_entropy", "linear_distillation_loss",
+           "linear_log_probs", "log_probs", "log_softmax", "nn", "patch", "rms_norm", "rotary", "softmax", "swiglu"]
 __version__ = "0.1.0"

@@ -256,3 +256,65 @@ def gated_backward(dy, gate, up, activation):
         cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
         a, da = g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
     return (dy * up * da).to(gate.dtype), (dy * a).to(gate.dtype)
+
+
+def log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats):
+    """log_probs' kernel in torch: into lp (M,), H (M,) where entropy, stats (M, 2) of x (M, V)."""
+    z = _capped_logits(x, softcap)[0] / temperature
+    row_max = z.max(1).values
+    shifted = z - _shift(row_max)
+    log_sum = shifted.exp().sum(1).log()
+    log_p = shifted - log_sum[:, None]
+    ignored, in_range, safe = _class_rows(target, ignore_index, x.shape[1])
+    kept, bad = in_range & ~ignored, ~in_range & ~ignored
+    lp.copy_(torch.where(bad, float("nan"), torch.where(kept, log_p.gather(1, safe[:, None])[:, 0], 0.0)))
+    stats.copy_(torch.stack([row_max, log_sum], 1))
+    if entropy:
+        rows = -torch.where(log_p > -float("inf"), log_p.exp() * log_p, 0.0).sum(1)
+        H.copy_(torch.where(bad, float("nan"), torch.where(kept, rows, 0.0)))
+
+
+def log_probs_rows_backward(grad_lp, grad_H, x, target, stats, H, ignore_index, temperature, softcap, entropy):
+    """log_probs' backward kernel in torch: d(lp, H)/dx times the rows' gradients, float32
+    at least."""
+    capped, tanh = _capped_logits(x, softcap)
+    log_p = (capped / temperature - stats[:, :1]) - stats[:, 1:]
+    p = log_p.exp()
+    ignored, in_range, safe = _class_rows(target, ignore_index, x.shape[1])
+    kept, bad = in_range & ~ignored, ~in_range & ~ignored
+    keep = torch.where(bad, float("nan"), kept.to(p.dtype))[:, None]
+    g_lp = grad_lp.to(p.dtype)[:, None] * keep
+    d = -g_lp * p
+    d.scatter_add_(1, safe[:, None], torch.where(kept[:, None], g_lp, 0.0))
+    if entropy:
+        d -= grad_H.to(p.dtype)[:, None] * keep * torch.where(p > 0, p * (log_p + H[:, None]), 0.0)
+    d = d / temperature
+    return d * (1 - tanh * tanh) if tanh is not None else d
+
+
+def distillation_rows(s, t, target, ignore_index, beta, temperature, grad=None):
+    """The distillation kernel in torch: each row's loss of student logits s and teacher
+    logits t (M, V), float32 at least; with grad (M,) also writes the gradient over s."""
+    compute = torch.promote_types(s.dtype, torch.float32)
+    lp_s = torch.log_softmax(s.to(compute) / temperature, -1)
+    lp_t = torch.log_softmax(t.to(compute) / temperature, -1)
+    p_s, p_t = lp_s.exp(), lp_t.exp()
+
+    def term(p, log_ratio):
+        return torch.where(p > 0, p * log_ratio, 0.0)
+
+    if beta == 0:
+        rows = term(p_t, lp_t - lp_s).sum(-1)
+        d = p_s - p_t
+    elif beta == 1:
+        rows = term(p_s, lp_s - lp_t).sum(-1)
+        d = term(p_s, lp_s - lp_t) - p_s * rows[:, None]
+    else:
+        lm = torch.logaddexp(lp_t + math.log(beta), lp_s + math.log(1 - beta))
+        student = (1 - beta) * term(p_s, lp_s - lm)
+        rows = beta * term(p_t, lp_t - lm).sum(-1) + student.sum(-1)
+        d = student - p_s * student.sum(-1, keepdim=True)
+    kept = target != ignore_index if target is not None else torch.ones_like(rows, dtype=torch.bool)
+    if grad is not None:
+        s.copy_(d * (torch.where(kept, grad.to(compute), 0.0) / temperature)[:, None])
+    return torch.where(kept, rows, 0.0)

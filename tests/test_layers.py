@@ -14,7 +14,7 @@ LAYERS = (
     ("_core", "reference"),
     ("_loss",),
     ("parallel",),
-    ("cross_entropy", "softmax", "norm", "rotary", "gated"),
+    ("cross_entropy", "softmax", "norm", "rotary", "gated", "log_probs", "distillation"),
     ("linear_cross_entropy",),
     ("nn", "transformers"),
     ("__init__",),

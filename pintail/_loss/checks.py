@@ -137,3 +137,44 @@ class Reduction:
         if self.reduction == "none":
             return grad.reshape(M)
         return (grad if self.reduction == "sum" else grad / self.denominator()).to(self.dtype).expand(M)
+
+
+def check_target(name, target, expected_shape, device):
+    """Class-index targets of the expected shape on the device."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name}: target must be a tensor, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+        raise TypeError(f"{name}: target must hold class indices (int64, int32 or uint8), got {target.dtype}")
+    if tuple(target.shape) != tuple(expected_shape):
+        raise ValueError(f"{name}: target must have shape {tuple(expected_shape)}, got {tuple(target.shape)}")
+    if target.device != device:
+        raise ValueError(f"{name}: target is on {target.device}, expected {device}")
+
+
+def check_head(name, input, linear_weight, linear_bias, input_name="input", weight_name="linear_weight",
+               bias_name="linear_bias"):
+    """input (*, K) floating point; the head (V, K) with V >= 1 and its bias (V,), in input's
+    dtype (or a float32 head under autocast) and on its device."""
+    for arg, value in ((input_name, input), (weight_name, linear_weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a tensor, got {type(value).__name__}")
+    if not input.dtype.is_floating_point or input.dim() == 0:
+        raise ValueError(f"{name}: {input_name} must be a floating point tensor of shape (*, hidden), got "
+                         f"{input.dtype} of shape {tuple(input.shape)}")
+    if linear_weight.dim() != 2 or linear_weight.shape[0] == 0:
+        raise ValueError(f"{name}: {weight_name} must have shape (classes, hidden) with at least one class, got "
+                         f"{tuple(linear_weight.shape)}")
+    if input.shape[-1] != linear_weight.shape[1]:
+        raise ValueError(f"{name}: {input_name}'s hidden size {input.shape[-1]} (its last dim) differs from "
+                         f"{weight_name}'s {linear_weight.shape[1]} (shape {tuple(linear_weight.shape)})")
+    for arg, value in ((weight_name, linear_weight), (bias_name, linear_bias)):
+        if value is None:
+            continue
+        if value.device != input.device:
+            raise ValueError(f"{name}: {arg} is on {value.device}, expected {input_name}'s device {input.device}")
+        if value.dtype != input.dtype and not (value.dtype == torch.float32 and torch.is_autocast_enabled(
+                input.device.type)):
+            raise TypeError(f"{name}: {arg} has dtype {value.dtype}, expected {input_name}'s dtype {input.dtype}")
+    if linear_bias is not None and tuple(linear_bias.shape) != (linear_weight.shape[0],):
+        raise ValueError(f"{name}: {bias_name} must have shape ({linear_weight.shape[0]},), got "
+                         f"{tuple(linear_bias.shape)}")

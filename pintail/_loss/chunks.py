@@ -171,3 +171,56 @@ def head_gradients(grad, x, linear_weight, linear_bias, target, weight, stats, o
         if need_bias:
             db[start:stop] = logits.sum(0, dtype=stats.dtype)
     return dx.to(x.dtype), dW, db
+
+
+def token_chunks(x, head, bias, rows):
+    """(row slice, logits) of each chunk of `rows` rows of x in turn: x[rows] head^T + bias,
+    over all of the head's rows (padded_head's: a multiple of 64), into one reused buffer."""
+    M = x.shape[0]
+    buffer = x.new_empty(min(rows, M), head.shape[0])
+    for first in range(0, M, rows):
+        chunk = slice(first, min(first + rows, M))
+        logits = buffer[:chunk.stop - first]
+        if bias is None:
+            torch.mm(x[chunk], head.t(), out=logits)
+        else:
+            torch.addmm(bias, x[chunk], head.t(), out=logits)
+        yield chunk, logits
+
+
+def autocast_inputs(input, linear_weight, linear_bias):
+    """The inputs in autocast's dtype where autocast is on for their device, as F.linear, and
+    the head's weight as given (a token-chunk plan casts a float32 one itself, so that its dW
+    sum is the weight's float32 gradient)."""
+    device = input.device.type
+    if not torch.is_autocast_enabled(device):
+        return input, linear_weight, linear_bias, linear_weight
+    dtype = torch.get_autocast_dtype(device)
+    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
+                 for t in (input, linear_weight, linear_bias))
+    return (*cast, linear_weight if linear_weight.dtype == torch.float32 else cast[1])
+
+
+def autocast_head(input, linear_bias):
+    """input and bias in autocast's dtype where autocast is on (as F.linear); the head's weight
+    is cast chunk-loop side (padded_head), so that a float32 one gets a float32 gradient."""
+    device = input.device.type
+    if not torch.is_autocast_enabled(device):
+        return input, linear_bias
+    dtype = torch.get_autocast_dtype(device)
+    return input.to(dtype), linear_bias.to(dtype) if linear_bias is not None else None
+
+
+def head_rows(name, M, V, K, x, linear_weight, memory_budget, buffers):
+    """Rows a token chunk within memory_budget (plans.token_rows), or a ValueError that
+    names the least budget."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)):
+        raise TypeError(f"{name}: memory_budget must be None or an int (bytes), got {memory_budget!r}")
+    sums_dW = torch.is_grad_enabled() and linear_weight.requires_grad and linear_weight.element_size() < 4
+    rows = plans.token_rows(M, V, K, x.element_size(), memory_budget, buffers, sums_dW)
+    if rows == 0:
+        least = plans.token_budget(M, V, K, x.element_size(), buffers, sums_dW)
+        raise ValueError(f"{name}: memory_budget={memory_budget} bytes is below the least this call needs, {least} "
+                         f"bytes ({min(M, plans.MIN_TOKEN_ROWS)} rows of {buffers} logits buffer(s)"
+                         f"{' and the float32 sum of the head gradient' if sums_dW else ''})")
+    return rows

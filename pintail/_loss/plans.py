@@ -60,3 +60,27 @@ def backward_chunks(V, shift, heavy=False):
         chunk = class_block(V, block)
         if sliced >= cdiv(sliced, chunk) * chunk * BACKWARD_FILL or block == BACKWARD_BLOCKS[-1]:
             return chunk, cdiv(sliced, chunk)
+
+
+# Token chunks of the fused heads without a uniform row gradient (log-probs, distillation):
+# rows a chunk by default, and the fewest a budget may ask for.
+TOKEN_ROWS = 1024
+MIN_TOKEN_ROWS = 16
+
+
+def token_rows(M: int, V: int, K: int, element_size: int, budget: int | None, buffers: int, sums_dW: bool) -> int:
+    """Rows a chunk for `buffers` (rows, V) logits buffers of `element_size` bytes (a fraction
+    where one holds smaller elements) and, where
+    sums_dW, the float32 (V, K) sum of the head's gradient: TOKEN_ROWS without a budget, else
+    as many as fit; 0 where not even MIN_TOKEN_ROWS (or M) rows fit."""
+    if budget is None:
+        return max(1, min(M, TOKEN_ROWS))
+    room = budget - (buffer_columns(V) * K * 4 if sums_dW else 0)
+    rows = int(room // max(buffers * buffer_columns(V) * element_size, 1))
+    return max(1, min(M, rows)) if rows >= min(M, MIN_TOKEN_ROWS) else 0
+
+
+def token_budget(M: int, V: int, K: int, element_size: int, buffers: int, sums_dW: bool) -> int:
+    """The least budget token_rows takes (for the error that names it)."""
+    return int(min(M, MIN_TOKEN_ROWS) * buffers * buffer_columns(V) * element_size) + (
+        buffer_columns(V) * K * 4 if sums_dW else 0)

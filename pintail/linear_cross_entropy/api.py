@@ -200,19 +200,6 @@ def _check_budget(memory_budget, M, V, K, x, needs_input_grad):
                          f"hidden) sum of the input's gradient where it is 16-bit)")
 
 
-def _autocast(input, linear_weight, linear_bias):
-    """The inputs in autocast's dtype where autocast is on for their device, as F.linear, and
-    the head's weight as given (the token-chunk plan casts a float32 one itself, so that its
-    dW sum is the weight's float32 gradient)."""
-    device = input.device.type
-    if not torch.is_autocast_enabled(device):
-        return input, linear_weight, linear_bias, linear_weight
-    dtype = torch.get_autocast_dtype(device)
-    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
-                 for t in (input, linear_weight, linear_bias))
-    return (*cast, linear_weight if linear_weight.dtype == torch.float32 else cast[1])
-
-
 def _parallel_columns(x, linear_weight, memory_budget):
     """The classes a chunk of a rank's rows of the head takes in the forward and the backward."""
     (M, K), V = x.shape, linear_weight.shape[0]
@@ -271,7 +258,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     dW GEMM). A second derivative raises.
     """
     ignore_index = -100 if ignore_index is None else ignore_index
-    input, linear_weight, linear_bias, head_weight = _autocast(input, linear_weight, linear_bias)
+    input, linear_weight, linear_bias, head_weight = chunks.autocast_inputs(input, linear_weight, linear_bias)
     split = process_group is not None
     prob_target = _check(input, linear_weight, target, linear_bias, None if split else weight, reduction,
                          label_smoothing, z_loss, softcap, out_dtype)
