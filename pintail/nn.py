@@ -3,7 +3,9 @@
 import torch
 
 from .cross_entropy import cross_entropy
+from .distillation import linear_distillation_loss
 from .linear_cross_entropy import linear_cross_entropy
+from .log_probs import linear_log_probs, log_probs
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
@@ -96,3 +98,49 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input):
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class LogProbs(torch.nn.Module):
+    """pintail.log_probs as a module: forward(logits, target) -> lp, or (lp, entropy)."""
+
+    def __init__(self, *, temperature=1.0, softcap=None, ignore_index=-100, return_entropy=False):
+        super().__init__()
+        self.temperature, self.softcap, self.ignore_index = temperature, softcap, ignore_index
+        self.return_entropy = return_entropy
+
+    def forward(self, input, target):
+        return log_probs(input, target, temperature=self.temperature, softcap=self.softcap,
+                         ignore_index=self.ignore_index, return_entropy=self.return_entropy)
+
+
+class LinearLogProbs(torch.nn.Module):
+    """A language-model head (self.linear, as torch.nn.Linear) with pintail.linear_log_probs:
+    forward(hidden, target) -> lp, or (lp, entropy), without the logits."""
+
+    def __init__(self, in_features, num_classes, *, bias=False, device=None, dtype=None, temperature=1.0,
+                 softcap=None, ignore_index=-100, return_entropy=False, memory_budget=None):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.temperature, self.softcap, self.ignore_index = temperature, softcap, ignore_index
+        self.return_entropy, self.memory_budget = return_entropy, memory_budget
+
+    def forward(self, input, target):
+        return linear_log_probs(input, self.linear.weight, target, linear_bias=self.linear.bias,
+                                temperature=self.temperature, softcap=self.softcap, ignore_index=self.ignore_index,
+                                return_entropy=self.return_entropy, memory_budget=self.memory_budget)
+
+
+class LinearDistillationLoss(torch.nn.Module):
+    """pintail.linear_distillation_loss as a module: forward(input, linear_weight,
+    teacher_input, teacher_weight, target=None), the heads' weights passed in (they belong to
+    the student and the teacher models)."""
+
+    def __init__(self, *, beta=0.0, temperature=1.0, ignore_index=-100, reduction="mean", memory_budget=None):
+        super().__init__()
+        self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
+        self.reduction, self.memory_budget = reduction, memory_budget
+
+    def forward(self, input, linear_weight, teacher_input, teacher_weight, target=None):
+        return linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight, target=target,
+                                        beta=self.beta, temperature=self.temperature, ignore_index=self.ignore_index,
+                                        reduction=self.reduction, memory_budget=self.memory_budget)

@@ -152,3 +152,11 @@ def test_bad_input(device):
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+def test_module(device):
+    x, W, teacher_x, teacher_W = models((6,), 8, 8, 40, torch.float32, device)
+    module = pintail.nn.LinearDistillationLoss(beta=0.5, temperature=2.0, reduction="sum")
+    assert torch.equal(module(x, W, teacher_x, teacher_W),
+                       pintail.linear_distillation_loss(x, W, teacher_x, teacher_W, beta=0.5, temperature=2.0,
+                                                        reduction="sum"))

@@ -237,3 +237,18 @@ def test_bad_input(device):
     for error, message, call in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+def test_modules(device):
+    """pintail.nn.LogProbs and LinearLogProbs give the functions' results; the head is an
+    nn.Linear whose state dict loads from one."""
+    logits = torch.randn(5, 30, device=device)
+    t = targets((5,), 30, device)
+    lp, H = pintail.nn.LogProbs(temperature=0.9, return_entropy=True)(logits, t)
+    want = pintail.log_probs(logits, t, temperature=0.9, return_entropy=True)
+    assert torch.equal(lp, want[0]) and torch.equal(H, want[1])
+    module = pintail.nn.LinearLogProbs(8, 30, bias=True, device=device, softcap=4.0)
+    linear = torch.nn.Linear(8, 30, bias=True, device=device)
+    module.linear.load_state_dict(linear.state_dict())
+    h = torch.randn(5, 8, device=device)
+    assert torch.equal(module(h, t), pintail.linear_log_probs(h, linear.weight, t, linear_bias=linear.bias, softcap=4.0))
