@@ -13,18 +13,32 @@ import pytest
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def quick_start_blocks():
-    section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+def blocks(heading):
+    section = README.read_text().split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def run(block, tmp_path):
+    """What the block prints, as numbers, run in a fresh interpreter from the README's folder."""
+    script = tmp_path / "block.py"
+    script.write_text(block)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ),
+                          cwd=README.parent, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return [float(v) for v in done.stdout.split()]
 
 
 @pytest.mark.uses_reference
 def test_quick_start_runs_as_pasted(device, tmp_path):
-    gpu_block, cpu_block = quick_start_blocks()
-    script = tmp_path / "quick_start.py"
-    script.write_text(gpu_block if device.type == "cuda" else cpu_block)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ),
-                          cwd=README.parent, timeout=600)
-    assert done.returncode == 0, done.stderr
-    fused, composed = (float(v) for v in done.stdout.split())
+    gpu_block, cpu_block = blocks("Quick start")
+    fused, composed = run(gpu_block if device.type == "cuda" else cpu_block, tmp_path)
     assert abs(fused - composed) <= (1e-2 if device.type == "cuda" else 1e-4) * abs(composed)  # bf16 logits on the GPU
+
+
+@pytest.mark.uses_reference
+def test_log_probs_and_distillation_block_runs_as_pasted(tmp_path):
+    """The RL and distillation snippet (on the GPU where there is one, else the CPU): the
+    fused KL beside torch's kl_div of the same rows."""
+    (block,) = blocks("Log-probabilities, entropy and distillation from hidden states")
+    fused, composed = run(block, tmp_path)
+    assert abs(fused - composed) <= 1e-4 * abs(composed)
