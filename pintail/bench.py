@@ -112,6 +112,20 @@ def _ops():
                  (torch.randn(N, 32, device=device) / 32**0.5).to(dtype)),
                 (torch.randint(0, N, (M,), device=device),))
 
+    def two_heads(M, N, dtype, device):
+        """A student (x, W) and a teacher (x_t, W_t), each as `head` makes them."""
+        student, _ = head(M, N, dtype, device)
+        return student, head(M, N, dtype, device)[0]
+
+    def log_probs_and_entropy(x, t):
+        logp = torch.log_softmax(x.float(), -1).to(x.dtype)
+        return logp.gather(-1, t[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    def distillation(x, W, xt, Wt):  # beta 0.5: the Jensen-Shannon divergence, mean over rows
+        p_s, p_t = torch.softmax(F.linear(x, W), -1), torch.softmax(F.linear(xt, Wt), -1)
+        m = (p_s + p_t) / 2
+        return (0.5 * F.kl_div(m.log(), p_t, reduction="sum") + 0.5 * F.kl_div(m.log(), p_s, reduction="sum")) / len(x)
+
     def gate_and_up(M, N, dtype, device):
         return (torch.randn(M, N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)), ()
 
@@ -161,6 +175,16 @@ def _ops():
         # the GPU benchmark has its own protocol and heads (bench_heads.py): no sizes here
         "linear_cross_entropy": Op(pintail.linear_cross_entropy, lambda x, W, t: F.cross_entropy(F.linear(x, W), t),
                                    {}, (), make=head, check_sizes=[(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 3000)]),
+        # log-probs and entropy of each row (the CPU check; no GPU sizes)
+        "log_probs": Op(lambda x, t: pintail.log_probs(x, t, return_entropy=True), log_probs_and_entropy, {}, (),
+                        make=class_targets),
+        # the GPU benchmark has its own protocol and heads (bench_rl.py): no sizes here
+        "linear_log_probs": Op(lambda x, W, t: pintail.linear_log_probs(x, W, t, return_entropy=True),
+                               lambda x, W, t: log_probs_and_entropy(F.linear(x, W), t), {}, (), make=head,
+                               check_sizes=[(3, 1), (5, 7), (4, 1000), (3, 1001), (2, 3000)]),
+        "linear_distillation_loss": Op(lambda x, W, xt, Wt: pintail.linear_distillation_loss(x, W, xt, Wt, beta=0.5),
+                                       distillation, {}, (), make=two_heads,
+                                       check_sizes=[(3, 2), (5, 7), (4, 1000), (3, 1001), (2, 3000)]),
         "rotary": Op(lambda q, k, cos, sin: pintail.apply_rotary(q, k, cos, sin, layout="bhsd"), _hf_rotary,
                      {"fwd": 2, "bwd": 2}, (4096,), rows=lambda N: 8, make=attention_heads,
                      check_sizes=[(1, 3), (2, 17)]),
@@ -276,6 +300,10 @@ def benchmark(args):
     heads = ops.pop("linear_cross_entropy", None)
     if heads is not None:
         _benchmark_heads(args)
+    for name in ("linear_log_probs", "linear_distillation_loss"):
+        if ops.pop(name, None) is not None:
+            _benchmark_rl(args, name)
+    ops.pop("log_probs", None)
     if not ops:
         return 0
     copy_bw = _copy_bandwidth()
@@ -329,7 +357,8 @@ def host_time(args):
     """Wall time of one call on small tensors (8 x 1024) with the GPU idle, over 1000 calls
     after 100, forward and forward + backward, pintail against torch eager (benchmarks/README.md)."""
     ops = _selected_ops(args, ",".join(DEFAULT_OPS))
-    ops.pop("linear_cross_entropy", None)
+    for name in ("linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "log_probs"):
+        ops.pop(name, None)
     rows = []
     for name, op in ops.items():
         inputs, others = op.make(8, 1024, torch.bfloat16, "cuda")
@@ -372,6 +401,20 @@ def _benchmark_heads(args):
         json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "results": results}, f, indent=1)
     with open(os.path.join(args.out, "heads.md"), "w") as f:
+        f.write(table + "\n")
+
+
+def _benchmark_rl(args, op):
+    from . import bench_rl
+    providers = args.providers.split(",") if args.providers != "pintail,eager,compile" else None
+    results = bench_rl.run(op, providers=providers)
+    table = bench_rl.table(results)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{op}.json"), "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"{op}.md"), "w") as f:
         f.write(table + "\n")
 
 

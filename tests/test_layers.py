@@ -19,6 +19,7 @@ LAYERS = (
     ("nn", "transformers"),
     ("__init__",),
     ("bench_heads",),
+    ("bench_rl",),
     ("bench", "__main__"),
 )
 

@@ -1,0 +1,135 @@
+"""The GPU benchmark of linear_log_probs and linear_distillation_loss at real heads: one step
+(the loss and its backward to the student's x and W) timed beside the GEMMs it cannot avoid
+(x W^T, G W, G^T x, and the teacher's x_t W_t^T for distillation), its extra peak memory
+beyond inputs and gradients, and its error against a float32 composition."""
+
+import gc
+
+import torch
+import torch.nn.functional as F
+
+from .bench_heads import _relative, _time_ms
+
+# (name, M tokens, K hidden, V vocabulary)
+HEADS = [("Qwen2.5-7B", 8192, 3584, 152064), ("Llama-3.2-1B", 8192, 2048, 128256)]
+
+
+def _log_probs_composition(x, W, t, entropy):
+    logp = torch.log_softmax(F.linear(x, W).float(), -1)
+    lp = logp.gather(-1, t[:, None])[:, 0]
+    loss = -(lp * torch.linspace(-1, 1, len(t), device=t.device)).sum()
+    return loss - (logp.exp() * logp).sum() * 0.01 if entropy else loss
+
+
+def _distillation_composition(x, W, xt, Wt, beta):
+    lp_s = torch.log_softmax(F.linear(x, W).float(), -1)
+    lp_t = torch.log_softmax(F.linear(xt, Wt).float(), -1)
+    if beta == 0:
+        return F.kl_div(lp_s, lp_t, log_target=True, reduction="batchmean")
+    m = (beta * lp_t.exp() + (1 - beta) * lp_s.exp()).log()
+    return (beta * F.kl_div(m, lp_t, log_target=True, reduction="sum")
+            + (1 - beta) * F.kl_div(m, lp_s, log_target=True, reduction="sum")) / len(x)
+
+
+def _providers(op):
+    import pintail
+    advantages = {}
+
+    def weights(t):
+        if len(t) not in advantages:
+            advantages[len(t)] = torch.linspace(-1, 1, len(t), device=t.device)
+        return advantages[len(t)]
+
+    if op == "linear_log_probs":
+        def fused(x, W, t, entropy):
+            out = pintail.linear_log_probs(x, W, t, return_entropy=entropy)
+            lp, H = out if entropy else (out, None)
+            loss = -(lp * weights(t)).sum()
+            return loss - 0.01 * H.sum() if entropy else loss
+        providers = {"pintail": lambda x, W, t: fused(x, W, t, False),
+                     "pintail_entropy": lambda x, W, t: fused(x, W, t, True),
+                     "eager": lambda x, W, t: _log_probs_composition(x, W, t, False),
+                     "eager_entropy": lambda x, W, t: _log_probs_composition(x, W, t, True),
+                     "compile": torch.compile(lambda x, W, t: _log_probs_composition(x, W, t, False), dynamic=False)}
+        return providers, lambda x, W, t, *_: _log_probs_composition(x, W, t, False)
+    providers = {f"pintail_beta{beta}": (lambda beta: lambda x, W, xt, Wt: pintail.linear_distillation_loss(
+        x, W, xt, Wt, beta=beta))(beta) for beta in (0.0, 0.5)}
+    providers["eager_beta0.5"] = lambda x, W, xt, Wt: _distillation_composition(x, W, xt, Wt, 0.5)
+    providers["compile_beta0.5"] = torch.compile(lambda x, W, xt, Wt: _distillation_composition(x, W, xt, Wt, 0.5),
+                                                 dynamic=False)
+    try:
+        from liger_kernel.transformers import LigerFusedLinearJSD
+        jsd = LigerFusedLinearJSD(jsd_beta=0.5, temperature=1.0)
+        providers["liger_jsd_beta0.5"] = lambda x, W, xt, Wt: jsd(x, W, xt, Wt)
+    except ImportError:
+        pass
+    return providers, lambda x, W, xt, Wt: _distillation_composition(x, W, xt, Wt, 0.5)
+
+
+def run(op, providers=None):
+    """One row a head and provider of `op` ("linear_log_probs" or "linear_distillation_loss")."""
+    results = []
+    for name, M, K, V in HEADS:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+        W = (torch.randn(V, K, device="cuda", generator=gen) / K**0.5).bfloat16()
+        others = [torch.randint(0, V, (M,), device="cuda", generator=gen)]
+        if op != "linear_log_probs":
+            others = [torch.randn(M, K, device="cuda", generator=gen).bfloat16(),
+                      (torch.randn(V, K, device="cuda", generator=gen) / K**0.5).bfloat16()]
+        G = torch.randn(M, V, device="cuda", generator=gen).bfloat16() / M
+        gemms = _time_ms(lambda: x @ W.t()) + _time_ms(lambda: G @ W) + _time_ms(lambda: G.t() @ x)
+        if op != "linear_log_probs":
+            gemms += _time_ms(lambda: others[0] @ others[1].t())
+        del G
+        fns, composition = _providers(op)
+        xr, Wr = x.float().requires_grad_(), W.float().requires_grad_()
+        reference = composition(xr, Wr, *[o.float() if o.is_floating_point() else o for o in others])
+        ref_dx, ref_dW = torch.autograd.grad(reference, (xr, Wr))
+        del xr, Wr
+        torch.cuda.empty_cache()
+        print(f"{op} {name} {M}x{K}x{V}: GEMM bound {gemms:.2f} ms", flush=True)
+        for provider, fn in fns.items():
+            if providers and provider not in providers:
+                continue
+            torch._dynamo.reset()
+            leaves = [x.detach().requires_grad_(), W.detach().requires_grad_()]
+
+            def step():
+                loss = fn(*leaves, *others)
+                return loss, torch.autograd.grad(loss, leaves)
+            try:
+                loss, (dx, dW) = step()
+                comparable = provider.endswith("beta0.5") or provider in ("pintail", "eager", "compile")
+                errors = ((_relative(loss, reference), _relative(dx, ref_dx), _relative(dW, ref_dW))
+                          if comparable else (float("nan"),) * 3)
+                del loss, dx, dW
+                gc.collect()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated() - before - (x.numel() + W.numel()) * 2
+                ms = _time_ms(step)
+            except Exception as e:  # a provider that fails is reported, not hidden
+                print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            results.append(dict(op=op, head=name, M=M, K=K, V=V, provider=provider, ms=ms, gemms_ms=gemms,
+                                ratio=ms / gemms, extra_mib=extra / 2**20, loss_error=errors[0],
+                                dx_error=errors[1], dW_error=errors[2]))
+            print(f"  {provider}: {ms:.2f} ms = {ms / gemms:.2f}x the GEMMs, extra {extra / 2**20:.0f} MiB, error "
+                  f"loss {errors[0]:.1e} dx {errors[1]:.2%} dW {errors[2]:.2%}", flush=True)
+        del x, W, others, reference, ref_dx, ref_dW
+        torch.cuda.empty_cache()
+    return results
+
+
+def table(results):
+    lines = ["| op | head | provider | ms | / GEMMs | extra MiB | loss error | dx error | dW error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['op']} | {r['head']} {r['M']}x{r['K']}x{r['V']} | {r['provider']} | {r['ms']:.2f} | "
+                     f"{r['ratio']:.2f}x | {r['extra_mib']:.0f} | {r['loss_error']:.1e} | {r['dx_error']:.2%} | "
+                     f"{r['dW_error']:.2%} |")
+    return "\n".join(lines)
