@@ -50,14 +50,14 @@ def _providers(M, V, softcap):
     return providers
 
 
-def _time_ms(fn):
+def time_ms(fn):
     from triton.testing import do_bench
     gc.collect()
     torch.cuda.synchronize()
     return do_bench(fn, warmup=200, rep=300, return_mode="median")
 
 
-def _relative(a, b):
+def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
@@ -72,7 +72,7 @@ def run(heads=None, providers=None):
         W = (torch.randn(V, K, device="cuda", generator=gen) / K**0.5).bfloat16()
         t = torch.randint(0, V, (M,), device="cuda", generator=gen)
         G = torch.randn(M, V, device="cuda", generator=gen).bfloat16() / M
-        gemms = (_time_ms(lambda: x @ W.t()) + _time_ms(lambda: G @ W) + _time_ms(lambda: G.t() @ x))
+        gemms = (time_ms(lambda: x @ W.t()) + time_ms(lambda: G @ W) + time_ms(lambda: G.t() @ x))
         del G
         xr, Wr = x.float().requires_grad_(), W.float().requires_grad_()
         reference = _composition(xr, Wr, t, softcap)
@@ -91,7 +91,7 @@ def run(heads=None, providers=None):
                 return loss, torch.autograd.grad(loss, leaves)
             try:
                 loss, (dx, dW) = step()
-                errors = (_relative(loss, reference), _relative(dx, ref_dx), _relative(dW, ref_dW))
+                errors = (relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
                 del loss, dx, dW
                 gc.collect()
                 torch.cuda.synchronize()
@@ -100,7 +100,7 @@ def run(heads=None, providers=None):
                 step()
                 torch.cuda.synchronize()
                 extra = torch.cuda.max_memory_allocated() - before - (x.numel() + W.numel()) * 2
-                ms = _time_ms(step)
+                ms = time_ms(step)
             except Exception as e:  # a provider that fails is reported, not hidden
                 print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

@@ -8,7 +8,7 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from .bench_heads import _relative, _time_ms
+from .bench_heads import relative_error, time_ms
 
 # (name, M tokens, K hidden, V vocabulary)
 HEADS = [("Qwen2.5-7B", 8192, 3584, 152064), ("Llama-3.2-1B", 8192, 2048, 128256)]
@@ -78,9 +78,9 @@ def run(op, providers=None):
             others = [torch.randn(M, K, device="cuda", generator=gen).bfloat16(),
                       (torch.randn(V, K, device="cuda", generator=gen) / K**0.5).bfloat16()]
         G = torch.randn(M, V, device="cuda", generator=gen).bfloat16() / M
-        gemms = _time_ms(lambda: x @ W.t()) + _time_ms(lambda: G @ W) + _time_ms(lambda: G.t() @ x)
+        gemms = time_ms(lambda: x @ W.t()) + time_ms(lambda: G @ W) + time_ms(lambda: G.t() @ x)
         if op != "linear_log_probs":
-            gemms += _time_ms(lambda: others[0] @ others[1].t())
+            gemms += time_ms(lambda: others[0] @ others[1].t())
         del G
         fns, composition = _providers(op)
         xr, Wr = x.float().requires_grad_(), W.float().requires_grad_()
@@ -101,7 +101,7 @@ def run(op, providers=None):
             try:
                 loss, (dx, dW) = step()
                 comparable = provider.endswith("beta0.5") or provider in ("pintail", "eager", "compile")
-                errors = ((_relative(loss, reference), _relative(dx, ref_dx), _relative(dW, ref_dW))
+                errors = ((relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
                           if comparable else (float("nan"),) * 3)
                 del loss, dx, dW
                 gc.collect()
@@ -111,7 +111,7 @@ def run(op, providers=None):
                 step()
                 torch.cuda.synchronize()
                 extra = torch.cuda.max_memory_allocated() - before - (x.numel() + W.numel()) * 2
-                ms = _time_ms(step)
+                ms = time_ms(step)
             except Exception as e:  # a provider that fails is reported, not hidden
                 print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
