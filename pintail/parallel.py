@@ -22,6 +22,11 @@ from ._loss.kernels import STATE_COLUMNS
 _SLICES = {}
 
 
+def all_reduce(tensor, op, group):
+    """A functional all-reduce ("sum" or "max") over the group: traced by torch.compile."""
+    return funcol.all_reduce(tensor, op, group)
+
+
 def vocabulary_slice(group, local_classes: int, name: str) -> tuple[int, int]:
     """(this rank's first class, the whole vocabulary's size): the ranks' slice sizes in rank
     order, gathered once per group and size (one host wait, then cached; under torch.compile

@@ -258,34 +258,52 @@ def gated_backward(dy, gate, up, activation):
     return (dy * up * da).to(gate.dtype), (dy * a).to(gate.dtype)
 
 
-def log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats):
-    """log_probs' kernel in torch: into lp (M,), H (M,) where entropy, stats (M, 2) of x (M, V)."""
+def log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats, first_class=0,
+                   num_classes=None):
+    """log_probs' kernel in torch: into lp (M,), H (M,) where entropy, stats (M, 2) of x (M, V);
+    lp None: x holds classes first_class ... of num_classes, and stats (M, 4) gets each row's
+    (max, sum of exp, entropy sum, z_t or 0)."""
+    V = x.shape[1]
+    num_classes = V if num_classes is None else num_classes
     z = _capped_logits(x, softcap)[0] / temperature
     row_max = z.max(1).values
     shifted = z - _shift(row_max)
-    log_sum = shifted.exp().sum(1).log()
-    log_p = shifted - log_sum[:, None]
-    ignored, in_range, safe = _class_rows(target, ignore_index, x.shape[1])
+    terms = shifted.exp()
+    ignored, in_range, _ = _class_rows(target, ignore_index, num_classes)
+    at = target.long() - first_class
+    here = (at >= 0) & (at < V) & ~ignored
+    z_t = torch.where(here, z.gather(1, torch.where(here, at, 0)[:, None])[:, 0], 0.0)
+    if lp is None:
+        moment = torch.where(terms > 0, terms * shifted, 0.0).sum(1)
+        stats.copy_(torch.stack([row_max, terms.sum(1), moment, z_t], 1))
+        return
+    log_sum = terms.sum(1).log()
     kept, bad = in_range & ~ignored, ~in_range & ~ignored
-    lp.copy_(torch.where(bad, float("nan"), torch.where(kept, log_p.gather(1, safe[:, None])[:, 0], 0.0)))
+    lp.copy_(torch.where(bad, float("nan"), torch.where(kept, (z_t - row_max) - log_sum, 0.0)))
     stats.copy_(torch.stack([row_max, log_sum], 1))
     if entropy:
+        log_p = shifted - log_sum[:, None]
         rows = -torch.where(log_p > -float("inf"), log_p.exp() * log_p, 0.0).sum(1)
         H.copy_(torch.where(bad, float("nan"), torch.where(kept, rows, 0.0)))
 
 
-def log_probs_rows_backward(grad_lp, grad_H, x, target, stats, H, ignore_index, temperature, softcap, entropy):
+def log_probs_rows_backward(grad_lp, grad_H, x, target, stats, H, ignore_index, temperature, softcap, entropy,
+                            first_class=0, num_classes=None):
     """log_probs' backward kernel in torch: d(lp, H)/dx times the rows' gradients, float32
-    at least."""
+    at least; x holds classes first_class ... of num_classes."""
+    V = x.shape[1]
+    num_classes = V if num_classes is None else num_classes
     capped, tanh = _capped_logits(x, softcap)
     log_p = (capped / temperature - stats[:, :1]) - stats[:, 1:]
     p = log_p.exp()
-    ignored, in_range, safe = _class_rows(target, ignore_index, x.shape[1])
+    ignored, in_range, _ = _class_rows(target, ignore_index, num_classes)
     kept, bad = in_range & ~ignored, ~in_range & ~ignored
     keep = torch.where(bad, float("nan"), kept.to(p.dtype))[:, None]
     g_lp = grad_lp.to(p.dtype)[:, None] * keep
     d = -g_lp * p
-    d.scatter_add_(1, safe[:, None], torch.where(kept[:, None], g_lp, 0.0))
+    at = target.long() - first_class
+    here = (at >= 0) & (at < V) & kept
+    d.scatter_add_(1, torch.where(here, at, 0)[:, None], torch.where(here[:, None], g_lp, 0.0))
     if entropy:
         d -= grad_H.to(p.dtype)[:, None] * keep * torch.where(p > 0, p * (log_p + H[:, None]), 0.0)
     d = d / temperature

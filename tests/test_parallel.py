@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 import pintail
 from test_linear_cross_entropy import loss_of_logits as composition
+from test_log_probs import truth as log_probs_truth
 
 OPTIONS = [
     {},
@@ -106,6 +107,59 @@ def _worker(rank, world, store_path, kernels):
             raise AssertionError("a slice-sized weight was accepted")
     finally:
         dist.destroy_process_group()
+
+
+def _log_probs_worker(rank, world, store_path, kernels):
+    """linear_log_probs on this rank's rows of the head (uneven slices, a ragged last token
+    chunk, a bias, ignored and in-slice targets): lp, H and the gradients against float64."""
+    if kernels:
+        _refuse_reference()
+    import pintail._loss.plans
+    pintail._loss.plans.MIN_TOKEN_ROWS = 2  # this process only: token chunks of 3 rows over 7
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        sizes = SLICES[world]
+        start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
+        M, V, K = 7, sum(sizes), 12
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(M, K, generator=generator)
+        W = torch.randn(V, K, generator=generator) / K**0.5 * 3
+        b = torch.randn(V, generator=generator)
+        t = torch.randint(0, V, (M,), generator=generator)
+        t[1] = -100
+        options = dict(temperature=0.8, softcap=4.0, return_entropy=True)
+        upstream = torch.randn(2, M, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+        def losses(lp, H):
+            return (lp * upstream[0].to(lp.dtype)).sum() + (H * upstream[1].to(H.dtype)).sum()
+
+        for compiled in (False, True):
+            xs, Ws, bs = x.clone().requires_grad_(), W[start:stop].clone().requires_grad_(), b[start:stop].clone()
+            bs.requires_grad_()
+
+            def fused(xs, Ws, bs):
+                return pintail.linear_log_probs(xs, Ws, t, linear_bias=bs, process_group=group, memory_budget=3 * 64 * 4,
+                                                **options)
+            if compiled:
+                torch._dynamo.reset()
+                fused = torch.compile(fused, fullgraph=True, backend="aot_eager")
+            lp, H = fused(xs, Ws, bs)
+            grads = torch.autograd.grad(losses(lp, H), (xs, Ws, bs))
+            x64, W64, b64 = (a.double().requires_grad_() for a in (x, W, b))
+            want = log_probs_truth(x64 @ W64.t() + b64, t, **options)
+            want_grads = torch.autograd.grad(losses(*want), (x64, W64, b64))
+            assert torch.allclose(lp.double(), want[0], rtol=1e-5, atol=1e-6), (lp, want[0])
+            assert torch.allclose(H.double(), want[1], rtol=1e-5, atol=1e-6), (H, want[1])
+            for ours, expected in zip(grads, (want_grads[0], want_grads[1][start:stop], want_grads[2][start:stop])):
+                assert torch.allclose(ours.double(), expected, rtol=1e-4, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_log_probs_match_full(world, tmp_path, on_reference):
+    mp.spawn(_log_probs_worker, args=(world, str(tmp_path / "store"), not on_reference), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

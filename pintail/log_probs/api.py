@@ -3,7 +3,7 @@ loop over a head, and the torch.library ops with their autograd."""
 
 import torch
 
-from .. import reference
+from .. import parallel, reference
 from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, row_alignment, runs_kernels
 from .._loss import chunks
 from .._loss import plans as loss_plans
@@ -20,33 +20,43 @@ def _on_kernels(x):
     return runs_kernels(x) and x.dtype in KERNEL_DTYPES
 
 
-def _rows_forward(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats):
+def _rows_forward(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats, first_class=0,
+                  num_classes=-1):
     """lp, H (with entropy) and (max, log-sum) of each row of x (M, V), written into the given
-    float32 tensors."""
+    float32 tensors. lp None: x holds classes first_class ... of num_classes (a rank's slice),
+    and stats (M, 4) gets each row's partial state (kernels.py) instead."""
     M, V = x.shape
     if M == 0:
         return
+    num_classes = V if num_classes < 0 else num_classes
     if not _on_kernels(x):
-        reference.log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats)
+        reference.log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats, first_class,
+                                 num_classes)
         return
-    launch(_forward_kernel, (M,), x, x.stride(0), target, lp, H if entropy else lp, stats, V, ignore_index,
-           1.0 / temperature, softcap, SOFTCAP=softcap > 0, ENTROPY=entropy,
+    partial = lp is None
+    launch(_forward_kernel, (M,), x, x.stride(0), target, stats if partial else lp,
+           H if entropy and not partial else stats, stats, V, first_class, num_classes, ignore_index,
+           1.0 / temperature, softcap, SOFTCAP=softcap > 0, ENTROPY=entropy, PARTIAL=partial,
            BLOCK=min(FORWARD_BLOCK, max(16, 1 << (V - 1).bit_length())), ALIGN=row_alignment(V, x.stride(0)),
            num_warps=FORWARD_WARPS)
 
 
-def _rows_backward(dx, x, target, stats, H, grad_lp, grad_H, ignore_index, temperature, softcap, entropy):
-    """Write into dx (M, V; may be x itself) the gradient of lp and H times grad_lp, grad_H."""
+def _rows_backward(dx, x, target, stats, H, grad_lp, grad_H, ignore_index, temperature, softcap, entropy,
+                   first_class=0, num_classes=-1):
+    """Write into dx (M, V; may be x itself) the gradient of lp and H times grad_lp, grad_H; x
+    holds classes first_class ... of num_classes (-1: all of them)."""
     M, V = x.shape
     if M == 0:
         return
+    num_classes = V if num_classes < 0 else num_classes
     if not _on_kernels(x):
         dx.copy_(reference.log_probs_rows_backward(grad_lp, grad_H, x, target, stats, H, ignore_index, temperature,
-                                                   softcap, entropy))
+                                                   softcap, entropy, first_class, num_classes))
         return
     block = min(BACKWARD_BLOCK, max(16, 1 << (V - 1).bit_length()))
     launch(_backward_kernel, (M, cdiv(V, block)), dx, dx.stride(0), x, x.stride(0), target, stats,
-           H if entropy else stats, grad_lp, grad_H if entropy else grad_lp, V, ignore_index, 1.0 / temperature,
+           H if entropy else stats, grad_lp, grad_H if entropy else grad_lp, V, first_class, num_classes,
+           ignore_index, 1.0 / temperature,
            softcap, SOFTCAP=softcap > 0, ENTROPY=entropy, BLOCK=block,
            ALIGN=row_alignment(V, x.stride(0), dx.stride(0)), num_warps=BACKWARD_WARPS)
 
@@ -135,10 +145,12 @@ def _head_forward(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: tor
 def _head_backward(grad_lp: torch.Tensor, grad_H: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor,
                    linear_bias: torch.Tensor | None, target: torch.Tensor, stats: torch.Tensor, H: torch.Tensor,
                    ignore_index: int, temperature: float, softcap: float, entropy: bool, rows: int, need_input: bool,
-                   need_weight: bool, need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   need_weight: bool, need_bias: bool, first_class: int = 0, num_classes: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db): each chunk's logits made again and their gradient written over them; dx of
     its rows complete from one GEMM, dW and db summed over the chunks in float32. A gradient
-    not asked for is an empty tensor."""
+    not asked for is an empty tensor. The head's rows are classes first_class ... of
+    num_classes (-1: the whole vocabulary)."""
     M, K = x.shape
     V = linear_weight.shape[0]
     need_bias = need_bias and linear_bias is not None
@@ -151,7 +163,7 @@ def _head_backward(grad_lp: torch.Tensor, grad_H: torch.Tensor, x: torch.Tensor,
         for chunk, logits in chunks.token_chunks(x, head, bias, rows):
             _rows_backward(logits[:, :V], logits[:, :V], target[chunk], stats[chunk], H[chunk] if entropy else H,
                            grad_lp[chunk], grad_H[chunk] if entropy else grad_lp, ignore_index, temperature,
-                           softcap, entropy)
+                           softcap, entropy, first_class, num_classes)
             if need_input:  # columns past V: zero head rows, so zero logits, never written: no term
                 torch.mm(logits, head, out=dx[chunk])
             if need_weight:
@@ -175,7 +187,7 @@ _head_backward_op = torch.library.custom_op("pintail::linear_log_probs_backward"
 
 @_head_backward_op.register_fake
 def _head_backward_fake(grad_lp, grad_H, x, linear_weight, linear_bias, target, stats, H, ignore_index, temperature,
-                        softcap, entropy, rows, need_input, need_weight, need_bias):
+                        softcap, entropy, rows, need_input, need_weight, need_bias, first_class=0, num_classes=-1):
     need_bias = need_bias and linear_bias is not None
     return (torch.empty_like(x) if need_input else x.new_empty(0),
             torch.empty_like(linear_weight) if need_weight else x.new_empty(0),
@@ -201,6 +213,74 @@ def _head_backward_of_op(ctx, grad_lp, grad_H, _stats):
 
 
 _head_forward_op.register_autograd(_head_backward_of_op, setup_context=_head_setup)
+
+
+# ------------------------------------------------------- a vocabulary split over ranks
+
+
+def _head_state(x: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None, target: torch.Tensor,
+                ignore_index: int, temperature: float, softcap: float, entropy: bool, rows: int, first_class: int,
+                num_classes: int) -> torch.Tensor:
+    """Each row's (max, sum of exp, entropy sum, z_t or 0) over this rank's classes (M, 4)."""
+    M, V = x.shape[0], linear_weight.shape[0]
+    state = x.new_empty(M, 4, dtype=torch.promote_types(x.dtype, torch.float32))
+    head, bias = chunks.padded_head(linear_weight, linear_bias, x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        for chunk, logits in chunks.token_chunks(x, head, bias, rows):
+            _rows_forward(logits[:, :V], target[chunk], ignore_index, temperature, softcap, entropy, None, None,
+                          state[chunk], first_class, num_classes)
+    return state
+
+
+_head_state_op = torch.library.custom_op("pintail::linear_log_probs_state", _head_state, mutates_args=())
+_head_state_op.register_fake(lambda x, *rest: x.new_empty(x.shape[0], 4,
+                                                           dtype=torch.promote_types(x.dtype, torch.float32)))
+
+
+def _combine(state, target, ignore_index, num_classes, entropy, group):
+    """(lp, H, (max, log-sum)) of every row over the whole vocabulary from the ranks' states:
+    an all-reduce of the max (4 bytes a row), then of the rescaled sums and z_t (12)."""
+    row_max = state[:, 0]
+    global_max = parallel.all_reduce(row_max, "max", group)
+    shift = torch.where(global_max == -float("inf"), 0.0, global_max)
+    scale = torch.exp(row_max - shift)  # 0 for a rank whose classes are all -inf
+    step = torch.where(row_max == -float("inf"), 0.0, row_max - shift)
+    packed = torch.stack([state[:, 1] * scale, scale * (state[:, 2] + step * state[:, 1]), state[:, 3]], 1)
+    total, moment, z_t = parallel.all_reduce(packed, "sum", group).unbind(1)
+    log_sum = torch.log(total)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < num_classes)
+    lp = torch.where(ignored, 0.0, torch.where(in_range, (z_t - shift) - log_sum, float("nan")))
+    H = torch.where(ignored, 0.0, torch.where(in_range, log_sum - moment / total, float("nan")))
+    return lp, H if entropy else H[:0], torch.stack([shift, log_sum], 1)
+
+
+class _ParallelHead(torch.autograd.Function):
+    """lp and H of a head whose rows are split over a group; the backward gives this rank's
+    dW and db and dx summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, linear_weight, linear_bias, target, options, first_class, num_classes, group):
+        ignore_index, temperature, softcap, entropy, rows = options
+        state = _head_state_op(x, linear_weight, linear_bias, target, *options, first_class, num_classes)
+        lp, H, stats = _combine(state, target, ignore_index, num_classes, entropy, group)
+        ctx.save_for_backward(x, linear_weight, linear_bias, target, stats, H)
+        ctx.options, ctx.slice, ctx.group = options, (first_class, num_classes), group
+        ctx.mark_non_differentiable(stats)
+        return lp, H, stats
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_H, _stats):
+        x, linear_weight, linear_bias, target, stats, H = ctx.saved_tensors
+        entropy = ctx.options[3]
+        grad_lp, grad_H = _row_grads(grad_lp, grad_H, x.shape[0], stats.dtype, entropy)
+        need = ctx.needs_input_grad
+        dx, dW, db = _head_backward_op(grad_lp, grad_H, x, linear_weight, linear_bias, target, stats, H, *ctx.options,
+                                       need[0], need[1], need[2] and linear_bias is not None, *ctx.slice)
+        if need[0]:
+            dx = parallel.all_reduce(dx, "sum", ctx.group)  # x feeds every rank's slice
+        return (dx if need[0] else None, dW if need[1] else None, db if need[2] and linear_bias is not None else None,
+                None, None, None, None, None)
 
 
 # ------------------------------------------------------------------------ public API
@@ -265,20 +345,27 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     - memory_budget: bytes of workspace (the chunk's logits, and the float32 (classes,
       hidden) sum of dW for a 16-bit head whose gradient is wanted): as many rows a chunk as
       fit. None: 1024 rows. Below the least: ValueError.
-    - process_group: not supported yet (NotImplementedError).
+    - process_group: a head split over the group's ranks by rows of the vocabulary, as
+      linear_cross_entropy takes it: linear_weight and linear_bias are this rank's rows (in
+      rank order), input and target the same on every rank. Every rank returns lp and H over
+      the whole vocabulary (two all-reduces of 4 and 12 bytes a row); dW and db are its rows'
+      gradients, dx is summed over the ranks (an all-reduce in the backward).
     Gradients for input, linear_weight and linear_bias, through lp and H.
     """
     name = "pintail.linear_log_probs"
     check_head(name, input, linear_weight, linear_bias)
     check_target(name, target, input.shape[:-1], input.device)
     _check_options(name, temperature, softcap, ignore_index)
-    if process_group is not None:
-        raise NotImplementedError(f"{name}: process_group (a vocabulary split over ranks) is not supported yet")
     input, linear_bias = autocast_head(input, linear_bias)
     (V, K), M = linear_weight.shape, input.numel() // max(input.shape[-1], 1)
     x = input.reshape(M, K)
     rows = head_rows(name, M, V, K, x, linear_weight, memory_budget, buffers=1)
     t = target.reshape(-1).contiguous()
-    lp, H, _ = _head_forward_op(x, linear_weight, linear_bias, t, ignore_index, float(temperature),
-                                float(softcap or 0.0), bool(return_entropy), rows)
+    options = (ignore_index, float(temperature), float(softcap or 0.0), bool(return_entropy), rows)
+    if process_group is not None:
+        first_class, num_classes = parallel.vocabulary_slice(process_group, V, name)
+        lp, H, _ = _ParallelHead.apply(x, linear_weight, linear_bias, t, options, first_class, num_classes,
+                                       process_group)
+    else:
+        lp, H, _ = _head_forward_op(x, linear_weight, linear_bias, t, *options)
     return _returned(lp, H, target.shape, return_entropy)
