@@ -57,6 +57,18 @@ def time_ms(fn):
     return do_bench(fn, warmup=200, rep=300, return_mode="median")
 
 
+def measure(step, input_bytes):
+    """(median ms, extra bytes) of a step: its peak memory beyond what was allocated before it
+    and beyond its inputs' bytes (their gradients)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return time_ms(step), torch.cuda.max_memory_allocated() - before - input_bytes
+
+
 def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -93,14 +105,7 @@ def run(heads=None, providers=None):
                 loss, (dx, dW) = step()
                 errors = (relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
                 del loss, dx, dW
-                gc.collect()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                extra = torch.cuda.max_memory_allocated() - before - (x.numel() + W.numel()) * 2
-                ms = time_ms(step)
+                ms, extra = measure(step, (x.numel() + W.numel()) * 2)
             except Exception as e:  # a provider that fails is reported, not hidden
                 print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

@@ -3,12 +3,10 @@
 (x W^T, G W, G^T x, and the teacher's x_t W_t^T for distillation), its extra peak memory
 beyond inputs and gradients, and its error against a float32 composition."""
 
-import gc
-
 import torch
 import torch.nn.functional as F
 
-from .bench_heads import relative_error, time_ms
+from .bench_heads import measure, relative_error, time_ms
 
 # (name, M tokens, K hidden, V vocabulary)
 HEADS = [("Qwen2.5-7B", 8192, 3584, 152064), ("Llama-3.2-1B", 8192, 2048, 128256)]
@@ -104,14 +102,7 @@ def run(op, providers=None):
                 errors = ((relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
                           if comparable else (float("nan"),) * 3)
                 del loss, dx, dW
-                gc.collect()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                step()
-                torch.cuda.synchronize()
-                extra = torch.cuda.max_memory_allocated() - before - (x.numel() + W.numel()) * 2
-                ms = time_ms(step)
+                ms, extra = measure(step, (x.numel() + W.numel()) * 2)
             except Exception as e:  # a provider that fails is reported, not hidden
                 print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

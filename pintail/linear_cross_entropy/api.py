@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from .. import parallel
 from .._core.launch import no_second_derivative
 from .._loss import chunks
-from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_loss_options, check_target_values,
-                            checked)
+from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_head, check_loss_options,
+                            check_target_values, checked)
 from .._loss.kernels import STATE_COLUMNS
 from ..cross_entropy import cross_entropy
 from . import plans, tokens
@@ -146,28 +146,10 @@ class _KeptLogits(torch.autograd.Function):
 def _check(input, linear_weight, target, linear_bias, weight, reduction, label_smoothing, z_loss, softcap, out_dtype):
     """Validate the arguments as torch does (input (*, K), class-index target (*) or
     probabilities (*, V)); returns whether targets are probabilities."""
-    for arg, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{NAME}: {arg} must be a tensor, got {type(value).__name__}")
-    if not input.dtype.is_floating_point or input.dim() == 0:
-        raise ValueError(f"{NAME}: input must be a floating point tensor of shape (*, hidden), got "
-                         f"{input.dtype} of shape {tuple(input.shape)}")
-    if linear_weight.dim() != 2 or linear_weight.shape[0] == 0:
-        raise ValueError(f"{NAME}: linear_weight must have shape (classes, hidden) with at least one class, got "
-                         f"{tuple(linear_weight.shape)}")
-    V, K = linear_weight.shape
-    if input.shape[-1] != K:
-        raise ValueError(f"{NAME}: input's hidden size {input.shape[-1]} (its last dim) differs from "
-                         f"linear_weight's {K} (shape {tuple(linear_weight.shape)})")
-    for arg, value in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
-        if value is None:
-            continue
-        if value.device != input.device:
-            raise ValueError(f"{NAME}: {arg} is on {value.device}, expected input's device {input.device}")
-        if value.dtype != input.dtype:
-            raise TypeError(f"{NAME}: {arg} has dtype {value.dtype}, expected input's dtype {input.dtype}")
-    if linear_bias is not None and tuple(linear_bias.shape) != (V,):
-        raise ValueError(f"{NAME}: linear_bias must have shape ({V},), got {tuple(linear_bias.shape)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{NAME}: target must be a tensor, got {type(target).__name__}")
+    check_head(NAME, input, linear_weight, linear_bias)
+    V = linear_weight.shape[0]
     check_class_weight(NAME, weight, V, input.device)
     check_loss_options(NAME, reduction, label_smoothing, z_loss, softcap)
     if out_dtype not in (None, torch.float32):
