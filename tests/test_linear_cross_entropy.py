@@ -90,10 +90,8 @@ def assert_as_accurate_as_eager(ours, x, W, t, b, options, upstream_seed=0):
                                           for k, v in options.items()})
 
     dtype = x.dtype
-    truth = run(theirs, leaves(torch.float64), None if options.get("reduction") != "none" else
-                torch.randn(t.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64))
-    upstream = None if options.get("reduction") != "none" else torch.ones_like(truth[0])
-    if upstream is not None:
+    upstream = None
+    if options.get("reduction") == "none":
         upstream = torch.randn(t.shape, generator=torch.Generator().manual_seed(upstream_seed),
                                dtype=torch.float64).to(x.device)
     truth = run(theirs, leaves(torch.float64), upstream)
@@ -365,7 +363,7 @@ def test_no_logits_tensor(reduction, device):
     t = torch.randint(0, V, (M,), device=device)
     with RecordAllocations() as whole:
         pintail.linear_cross_entropy(x, W, t, linear_bias=b, reduction=reduction).sum().backward()
-    assert len(whole.storages) > 10
+    assert len(whole.storages) >= 8  # the recording works: outputs, gradients, the chunks' buffers
     assert all(elements < M * V for _, elements, _ in whole.storages.values())
 
 
@@ -386,12 +384,14 @@ def test_bad_input(device):
     t = torch.randint(0, V, (M,), device=device)
     f = pintail.linear_cross_entropy
     cases = [
-        (ValueError, "input's hidden size 9 .* differs from linear_weight's 8", lambda: f(torch.randn(M, 9), W, t)),
+        (ValueError, "input's hidden size 9 .* differs from linear_weight's 8",
+         lambda: f(torch.randn(M, 9, device=device), W, t)),
         (ValueError, r"target must have input's leading shape \(4,\)", lambda: f(x, W, t[:3])),
-        (ValueError, r"weight must have shape \(30,\)", lambda: f(x, W, t, weight=torch.ones(29))),
+        (ValueError, r"weight must have shape \(30,\)", lambda: f(x, W, t, weight=torch.ones(29, device=device))),
         (TypeError, "linear_weight has dtype torch.float64, expected input's dtype torch.float32",
          lambda: f(x, W.double(), t)),
-        (ValueError, r"linear_bias must have shape \(30,\)", lambda: f(x, W, t, linear_bias=torch.ones(3))),
+        (ValueError, r"linear_bias must have shape \(30,\)", lambda: f(x, W, t,
+         linear_bias=torch.ones(3, device=device))),
         (ValueError, "'avg' is not a valid value for reduction", lambda: f(x, W, t, reduction="avg")),
         (ValueError, "label_smoothing must be between", lambda: f(x, W, t, label_smoothing=1.5)),
         (ValueError, r"linear_weight must have shape \(classes, hidden\)", lambda: f(x, W[0], t)),
@@ -566,7 +566,8 @@ class GemmFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in ("mm", "addmm", "addmm_"):
-            a, b = args[-2:] if name != "mm" else args[:2]
+            matrices = [a for a in args if isinstance(a, torch.Tensor)]  # out_dtype's overload ends in a dtype
+            a, b = matrices[-2:] if name != "mm" else matrices[:2]
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return func(*args, **(kwargs or {}))
 
