@@ -121,8 +121,12 @@ def with_weight(options, V, device):
     return {k: (torch.rand(V, device=device) + 0.1 if v == "w" else v) for k, v in options.items()}
 
 
-# the default plan for every option set, and the vocabulary chunks where the default is another
-PLAN_CASES = [(o, "default") for o in OPTIONS] + [(o, "vocabulary") for o in OPTIONS if o.get("reduction") != "none"]
+# the default plan for every option set (at these sizes the kept logits for "mean" and "sum",
+# vocabulary chunks for "none"), the token chunks for each of "mean" and "sum", and the
+# vocabulary chunks for two of them
+UNIFORM = [o for o in OPTIONS if o.get("reduction") != "none"]
+PLAN_CASES = ([(o, "default") for o in OPTIONS] + [(o, "tokens") for o in UNIFORM]
+              + [(o, "vocabulary") for o in UNIFORM[::3]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -130,8 +134,8 @@ PLAN_CASES = [(o, "default") for o in OPTIONS] + [(o, "vocabulary") for o in OPT
                          ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()) or "plain")
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_matches_composition(dtype, options, bias, plan, device, monkeypatch):
-    """The default plan (token chunks for "mean" and "sum", vocabulary chunks for "none") and
-    the vocabulary chunks for every reduction."""
+    """Each plan against the composition: the default (the kept logits here for "mean" and
+    "sum", vocabulary chunks for "none"), the token chunks and the vocabulary chunks forced."""
     if plan != "default":
         force_plan(monkeypatch, plan)
     M, K, V = 23, 40, 300  # chunks of 64: four whole, one of 44; of 8 rows: two whole, one of 7
@@ -647,3 +651,15 @@ def test_three_gemm_plans_pad_the_vocabulary(plan, device):
         truth = F.cross_entropy(F.linear(x64, W64, b64), t, label_smoothing=0.1)
         for g, want in zip(grads, torch.autograd.grad(truth, (x64, W64, b64))):
             assert g.shape == want.shape and torch.allclose(g.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_default_keeps_logits_no_larger_than_the_token_workspace():
+    """Without a budget the kept logits serve where they take no more memory than the token
+    chunks would (a 16-bit head's float32 dW sum as large as the bf16 logits), in eager mode."""
+    def default(M, K, V, can_keep=True, sums_dW=True):
+        return plans.choose(M, V, K, 2, None, gradients=True, uniform_rows=True, can_keep=can_keep, sums_dx=True,
+                            sums_dW=sums_dW)
+    assert default(8192, 4096, 128256) == plans.Plan("logits", 128256)      # Llama-3-8B: 2.0 GB against 2.5
+    assert default(16384, 2048, 128256) == plans.Plan("tokens", plans.TOKEN_ROWS)  # Llama-3.2-1B: 4.2 against 1.4
+    assert default(8192, 4096, 128256, sums_dW=False) == plans.Plan("tokens", plans.TOKEN_ROWS)  # float32 head
+    assert default(8192, 4096, 128256, can_keep=False) == plans.Plan("tokens", plans.TOKEN_ROWS)  # compiled

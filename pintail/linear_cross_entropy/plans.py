@@ -8,7 +8,10 @@
 - vocabulary: chunks of classes for every row, the logits made again in the backward
   (api.py); four GEMMs, the smallest workspace.
 `choose` takes the first that the budget holds, in that order: by GEMM count, and among
-three-GEMM plans the one with the widest GEMMs.
+three-GEMM plans the one with the widest GEMMs. Without a budget: the token chunks, or the
+kept logits where those are no larger than the token chunks' workspace (a 16-bit head whose
+float32 dW sum is as large as the logits: Llama-3-8B's at 8192 tokens; on an H200 1.04x
+the GEMMs against 1.24x, docs/design.md).
 """
 
 import dataclasses
@@ -90,13 +93,18 @@ def choose(M: int, V: int, K: int, element_size: int, budget: int | None, *, gra
     """The plan a call takes. gradients: some gradient is wanted; uniform_rows: the row
     losses' gradients are one value (reduction "mean" or "sum"); can_keep: the logits may be
     kept across forward and backward (eager); sums_dx / sums_dW: dx is 16-bit / the head's
-    weight is 16-bit and its gradient wanted. budget None: the token-chunk plan at TOKEN_ROWS
-    rows where it serves, else vocabulary chunks of the default width."""
+    weight is 16-bit and its gradient wanted. budget None: where the token-chunk plan serves,
+    the kept logits if they are no larger than its workspace (eager), else token chunks of
+    TOKEN_ROWS rows; else vocabulary chunks of the default width."""
     if gradients and can_keep and keeps_logits(M, V, element_size, budget):
         return Plan("logits", V)
     if gradients and uniform_rows and M > 0:
         if budget is None:
-            return Plan("tokens", min(M, TOKEN_ROWS))
+            rows = min(M, TOKEN_ROWS)
+            if can_keep and M * buffer_columns(V) * element_size <= token_workspace(rows, M, V, K, element_size,
+                                                                                    sums_dx, sums_dW):
+                return Plan("logits", V)  # faster (three full GEMMs) and no larger
+            return Plan("tokens", rows)
         fixed = token_workspace(0, M, V, K, element_size, sums_dx, sums_dW)
         rows = (budget - fixed) // max(buffer_columns(V) * element_size, 1)
         if rows >= min(M, MIN_TOKEN_ROWS):
