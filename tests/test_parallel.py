@@ -18,7 +18,7 @@ OPTIONS = [
     {"reduction": "sum", "ignore_index": 4},
     {"weight": True, "z_loss": 1e-2, "label_smoothing": 0.2},
 ]
-SLICES = {2: [20, 30], 3: [10, 25, 15]}
+SLICES = {3: [10, 25, 15]}
 
 
 def _inputs(M, V, K, options):
@@ -162,9 +162,9 @@ def test_split_log_probs_match_full(tmp_path, on_reference):
     mp.spawn(_log_probs_worker, args=(3, str(tmp_path / "store"), not on_reference), nprocs=3, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_split_vocabulary_matches_full(world, tmp_path, on_reference):
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), not on_reference), nprocs=world, join=True)
+def test_split_vocabulary_matches_full(tmp_path, on_reference):
+    """Three ranks of uneven slices (two ranks take the same code)."""
+    mp.spawn(_worker, args=(3, str(tmp_path / "store"), not on_reference), nprocs=3, join=True)
 
 
 def test_needs_a_group_of_several(tmp_path):
