@@ -69,6 +69,30 @@ def measure(step, input_bytes):
     return time_ms(step), torch.cuda.max_memory_allocated() - before - input_bytes
 
 
+def time_step(provider, fn, x, W, others, truth, gemms_ms, compare=True):
+    """One step loss = fn(x, W, *others) and its gradients to x and W: the time, the extra
+    memory and (compare) the errors against truth = (loss, dx, dW), as a row printed as it
+    comes; None (and the error printed) where the provider fails."""
+    torch._dynamo.reset()
+    leaves = [x.detach().requires_grad_(), W.detach().requires_grad_()]
+
+    def step():
+        loss = fn(*leaves, *others)
+        return loss, torch.autograd.grad(loss, leaves)
+    try:
+        loss, (dx, dW) = step()
+        errors = [relative_error(a, b) if compare else float("nan") for a, b in zip((loss, dx, dW), truth)]
+        del loss, dx, dW
+        ms, extra = measure(step, (x.numel() + W.numel()) * 2)
+    except Exception as e:  # a provider that fails is reported, not hidden
+        print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    print(f"  {provider}: {ms:.2f} ms = {ms / gemms_ms:.2f}x the GEMMs, extra {extra / 2**20:.0f} MiB, error "
+          f"loss {errors[0]:.1e} dx {errors[1]:.2%} dW {errors[2]:.2%}", flush=True)
+    return dict(ms=ms, gemms_ms=gemms_ms, ratio=ms / gemms_ms, extra_mib=extra / 2**20, loss_error=errors[0],
+                dx_error=errors[1], dW_error=errors[2])
+
+
 def relative_error(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -95,25 +119,9 @@ def run(heads=None, providers=None):
         for provider, fn in _providers(M, V, softcap).items():
             if providers and provider not in providers:
                 continue
-            torch._dynamo.reset()
-            leaves = [x.detach().requires_grad_(), W.detach().requires_grad_()]
-
-            def step():
-                loss = fn(*leaves, t)
-                return loss, torch.autograd.grad(loss, leaves)
-            try:
-                loss, (dx, dW) = step()
-                errors = (relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
-                del loss, dx, dW
-                ms, extra = measure(step, (x.numel() + W.numel()) * 2)
-            except Exception as e:  # a provider that fails is reported, not hidden
-                print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            row = dict(head=name, M=M, K=K, V=V, provider=provider, ms=ms, gemms_ms=gemms, ratio=ms / gemms,
-                       extra_mib=extra / 2**20, loss_error=errors[0], dx_error=errors[1], dW_error=errors[2])
-            results.append(row)
-            print(f"  {provider}: {ms:.2f} ms = {ms / gemms:.2f}x the GEMMs, extra {extra / 2**20:.0f} MiB, error "
-                  f"loss {errors[0]:.1e} dx {errors[1]:.2%} dW {errors[2]:.2%}", flush=True)
+            row = time_step(provider, fn, x, W, [t], (reference, ref_dx, ref_dW), gemms)
+            if row is not None:
+                results.append(dict(head=name, M=M, K=K, V=V, provider=provider, **row))
         del x, W, t, reference, ref_dx, ref_dW
         torch.cuda.empty_cache()
     return results

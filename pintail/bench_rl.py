@@ -6,7 +6,7 @@ beyond inputs and gradients, and its error against a float32 composition."""
 import torch
 import torch.nn.functional as F
 
-from .bench_heads import measure, relative_error, time_ms
+from .bench_heads import time_ms, time_step
 
 # (name, M tokens, K hidden, V vocabulary)
 HEADS = [("Qwen2.5-7B", 8192, 3584, 152064), ("Llama-3.2-1B", 8192, 2048, 128256)]
@@ -90,27 +90,10 @@ def run(op, providers=None):
         for provider, fn in fns.items():
             if providers and provider not in providers:
                 continue
-            torch._dynamo.reset()
-            leaves = [x.detach().requires_grad_(), W.detach().requires_grad_()]
-
-            def step():
-                loss = fn(*leaves, *others)
-                return loss, torch.autograd.grad(loss, leaves)
-            try:
-                loss, (dx, dW) = step()
-                comparable = provider.endswith("beta0.5") or provider in ("pintail", "eager", "compile")
-                errors = ((relative_error(loss, reference), relative_error(dx, ref_dx), relative_error(dW, ref_dW))
-                          if comparable else (float("nan"),) * 3)
-                del loss, dx, dW
-                ms, extra = measure(step, (x.numel() + W.numel()) * 2)
-            except Exception as e:  # a provider that fails is reported, not hidden
-                print(f"  {provider}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            results.append(dict(op=op, head=name, M=M, K=K, V=V, provider=provider, ms=ms, gemms_ms=gemms,
-                                ratio=ms / gemms, extra_mib=extra / 2**20, loss_error=errors[0],
-                                dx_error=errors[1], dW_error=errors[2]))
-            print(f"  {provider}: {ms:.2f} ms = {ms / gemms:.2f}x the GEMMs, extra {extra / 2**20:.0f} MiB, error "
-                  f"loss {errors[0]:.1e} dx {errors[1]:.2%} dW {errors[2]:.2%}", flush=True)
+            comparable = provider.endswith("beta0.5") or provider in ("pintail", "eager", "compile")
+            row = time_step(provider, fn, x, W, others, (reference, ref_dx, ref_dW), gemms, comparable)
+            if row is not None:
+                results.append(dict(op=op, head=name, M=M, K=K, V=V, provider=provider, **row))
         del x, W, others, reference, ref_dx, ref_dW
         torch.cuda.empty_cache()
     return results

@@ -178,3 +178,9 @@ def check_head(name, input, linear_weight, linear_bias, input_name="input", weig
     if linear_bias is not None and tuple(linear_bias.shape) != (linear_weight.shape[0],):
         raise ValueError(f"{name}: {bias_name} must have shape ({linear_weight.shape[0]},), got "
                          f"{tuple(linear_bias.shape)}")
+
+
+def check_temperature(name, temperature):
+    """A softmax temperature: a number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"{name}: temperature must be a number > 0, got {temperature!r}")

@@ -195,10 +195,9 @@ def autocast_inputs(input, linear_weight, linear_bias):
     device = input.device.type
     if not torch.is_autocast_enabled(device):
         return input, linear_weight, linear_bias, linear_weight
-    dtype = torch.get_autocast_dtype(device)
-    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
-                 for t in (input, linear_weight, linear_bias))
-    return (*cast, linear_weight if linear_weight.dtype == torch.float32 else cast[1])
+    input, linear_bias = autocast_head(input, linear_bias)
+    cast = linear_weight.to(torch.get_autocast_dtype(device)) if linear_weight.is_floating_point() else linear_weight
+    return input, cast, linear_bias, linear_weight if linear_weight.dtype == torch.float32 else cast
 
 
 def autocast_head(input, linear_bias):
@@ -208,7 +207,7 @@ def autocast_head(input, linear_bias):
     if not torch.is_autocast_enabled(device):
         return input, linear_bias
     dtype = torch.get_autocast_dtype(device)
-    return input.to(dtype), linear_bias.to(dtype) if linear_bias is not None else None
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in (input, linear_bias))
 
 
 def head_rows(name, M, V, K, x, linear_weight, memory_budget, buffers):

@@ -6,9 +6,9 @@ import math
 import torch
 
 from .. import reference
-from .._core.launch import KERNEL_DTYPES, launch, no_second_derivative, row_alignment, runs_kernels
+from .._core.launch import launch, no_second_derivative, row_alignment
 from .._loss import chunks
-from .._loss.checks import REDUCTIONS, check_head, check_target
+from .._loss.checks import REDUCTIONS, check_head, check_target, check_temperature
 from .._loss.chunks import autocast_head, head_rows
 from .._loss.plans import buffer_columns
 from .kernels import _distillation_kernel
@@ -23,7 +23,7 @@ def _rows(student, teacher, target, ignore_index, beta, temperature, loss, grad=
     n, V = student.shape
     if n == 0:
         return
-    if not (runs_kernels(student) and student.dtype in KERNEL_DTYPES and teacher.dtype in KERNEL_DTYPES):
+    if not (chunks.on_kernels(student) and chunks.on_kernels(teacher)):
         loss.copy_(reference.distillation_rows(student, teacher, target, ignore_index, beta, temperature, grad))
         return
     mode = 0 if beta == 0 else 1 if beta == 1 else 2
@@ -144,8 +144,7 @@ def linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight
         check_target(NAME, target, input.shape[:-1], input.device)
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"{NAME}: beta must be a number in [0, 1], got {beta!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"{NAME}: temperature must be a number > 0, got {temperature!r}")
+    check_temperature(NAME, temperature)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{NAME}: {reduction!r} is not a valid value for reduction; expected one of {REDUCTIONS}")
     input, _ = autocast_head(input, None)

@@ -15,7 +15,7 @@ weights) the dW sum is the weight's gradient itself, with no other V x K buffer.
 import torch
 
 from .._core.launch import no_second_derivative
-from .._loss.chunks import add_product, fold, gradient, padded_head, weight_total
+from .._loss.chunks import add_product, fold, gradient, padded_head, token_chunks, weight_total
 from .._loss.kernels import STATE_COLUMNS
 from .._loss.plans import buffer_columns
 from .plans import NAME
@@ -48,18 +48,11 @@ def _chunk_loop(x, linear_weight, linear_bias, target, weight, options, rows_per
     compute = loss.dtype
     head, bias = padded_head(linear_weight, linear_bias, x.dtype)
     m = min(rows_per_chunk, M)
-    buffer = x.new_empty(m, head.shape[0])
     state = x.new_empty(m, STATE_COLUMNS, dtype=compute)
     unit = x.new_ones(1, dtype=compute).expand(m)  # the gradient of the summed loss: 1 a row
     total = weight_total(weight, options[1], compute)
-    for first in range(0, M, m):
-        rows = slice(first, min(first + m, M))
-        n = rows.stop - first
-        logits = buffer[:n]
-        if bias is None:
-            torch.mm(x[rows], head.t(), out=logits)
-        else:
-            torch.addmm(bias, x[rows], head.t(), out=logits)
+    for rows, logits in token_chunks(x, head, bias, m):
+        n = rows.stop - rows.start
         fold(logits[:, :V], 0, V, target[rows], weight, total, state[:n], loss[rows], stats[rows], options, True, True)
         gradient(logits[:, :V], 0, V, target[rows], weight, total, stats[rows], unit[:n], options)
         if dx.numel():

@@ -4,20 +4,16 @@ loop over a head, and the torch.library ops with their autograd."""
 import torch
 
 from .. import parallel, reference
-from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, row_alignment, runs_kernels
+from .._core.launch import as_rows, cdiv, launch, no_second_derivative, row_alignment
 from .._loss import chunks
 from .._loss import plans as loss_plans
-from .._loss.checks import check_head, check_target
+from .._loss.checks import check_head, check_target, check_temperature
 from .._loss.chunks import autocast_head, head_rows
 from .kernels import _backward_kernel, _forward_kernel
 
 # The forward's chunk of a row, and the backward's (a program a row and chunk).
 FORWARD_BLOCK, FORWARD_WARPS = 4096, 4
 BACKWARD_BLOCK, BACKWARD_WARPS = 2048, 4
-
-
-def _on_kernels(x):
-    return runs_kernels(x) and x.dtype in KERNEL_DTYPES
 
 
 def _rows_forward(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats, first_class=0,
@@ -29,7 +25,7 @@ def _rows_forward(x, target, ignore_index, temperature, softcap, entropy, lp, H,
     if M == 0:
         return
     num_classes = V if num_classes < 0 else num_classes
-    if not _on_kernels(x):
+    if not chunks.on_kernels(x):
         reference.log_probs_rows(x, target, ignore_index, temperature, softcap, entropy, lp, H, stats, first_class,
                                  num_classes)
         return
@@ -49,7 +45,7 @@ def _rows_backward(dx, x, target, stats, H, grad_lp, grad_H, ignore_index, tempe
     if M == 0:
         return
     num_classes = V if num_classes < 0 else num_classes
-    if not _on_kernels(x):
+    if not chunks.on_kernels(x):
         dx.copy_(reference.log_probs_rows_backward(grad_lp, grad_H, x, target, stats, H, ignore_index, temperature,
                                                    softcap, entropy, first_class, num_classes))
         return
@@ -287,8 +283,7 @@ class _ParallelHead(torch.autograd.Function):
 
 
 def _check_options(name, temperature, softcap, ignore_index):
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"{name}: temperature must be a number > 0, got {temperature!r}")
+    check_temperature(name, temperature)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not softcap > 0):
         raise ValueError(f"{name}: softcap must be None or a number > 0, got {softcap!r}")
