@@ -157,8 +157,10 @@ def gradient_scales(kind, v, shape, weight, weight_offset, eps, upstream):
     if len(upstream) > 1:  # the residual's own gradient adds to dx
         dx = dx + upstream[1].reshape(-1, N).abs()
     dx = dx.reshape(v.shape)
-    # x^ = (x - mean) rstd errs by eps |x| rstd where x - mean cancels
-    return {"x": dx, "residual": dx, "weight": (lift * (dy * rows * rstd).abs()).sum(0).reshape(shape),
+    # x^ = (x - mean) rstd errs by eps (|x| + mean |x|) rstd where x - mean cancels: the mean,
+    # a float32 sum, errs by eps times its terms' mean size even where x is near 0
+    spread = rows.abs() + (rows.abs().mean(1, keepdim=True) if kind == "layer" else 0)
+    return {"x": dx, "residual": dx, "weight": (lift * (dy * spread * rstd).abs()).sum(0).reshape(shape),
             "bias": dy.abs().sum(0).reshape(shape), "y": (lift * w.abs()).expand_as(rows).reshape(v.shape)}
 
 

@@ -1,13 +1,16 @@
 """Compile pintail's kernels for sm_90 on a machine without a GPU (Triton ships ptxas) and
 print registers, spills and the global memory instructions: catches compile errors and
 unvectorised loads before a GPU call. Integer arguments and pointers are taken as
-divisible by 16, as Triton specialises them at launch when they are.
+divisible by 16, as Triton specialises them at launch when they are. --digest adds a hash of each variant's SASS: a refactor that should leave
+the machine code as it was is checked by comparing the two listings.
 
-    python tools/inspect_kernel.py
+    python tools/inspect_kernel.py [--digest]
 """
 
 import argparse
+import hashlib
 import subprocess
+import tempfile
 import os
 from collections import Counter
 
@@ -22,16 +25,20 @@ norm = Op("norm")
 rot = Op("rotary")
 lce = Op("linear_cross_entropy")
 gated = Op("gated")
+log_probs = Op("log_probs")
+distillation = Op("distillation")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap"}
+FLOAT_ARGS = {"eps", "weight_offset", "inv_n", "smoothing", "z_scale", "softcap", "inv_temperature", "beta",
+              "log_beta", "log_rest"}
 FLOAT32_POINTERS = {"mean_ptr", "rstd_ptr", "sums_ptr", "dw_ptr", "db_ptr", "loss_ptr", "stats_ptr",
                     "denom_ptr", "mass_ptr", "grad_ptr", "dw_parts_ptr", "db_parts_ptr", "state_ptr",
-                    "weight_total_ptr", "z_ratio_ptr"}
+                    "weight_total_ptr", "z_ratio_ptr", "lp_ptr", "entropy_ptr", "grad_lp_ptr", "grad_entropy_ptr"}
 EXTRA_OPTIONS = {}  # e.g. {"maxnreg": 64}: a register cap for ptxas
 NOT_16_DIVISIBLE = set()  # e.g. {"N", "x_row_stride"}: sizes Triton may not take as 16-divisible (rows of 9000)
 INT_POINTERS = {"target_ptr": "*i64", "count_ptr": "*i32", "slots_ptr": "*i64", "pos_ptr": "*i64"}
+DIGEST = False  # --digest
 
 
 def signature(fn):
@@ -69,11 +76,12 @@ def inspect(fn, signature, constexprs, num_warps):
         constexprs = {**constexprs, "TAIL": 0}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
-    path = "/tmp/pintail_inspect.cubin"
-    with open(path, "wb") as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:  # one file a process
         f.write(k.asm["cubin"])
+    path = f.name
     usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    os.unlink(path)
     ops = Counter(line.split()[1] if line.split()[1].startswith("@") is False else line.split()[2]
                   for line in sass.splitlines()
                   if any(op in line for op in ("LDG", "STG", "ATOMG", "RED.", "BAR.")) and len(line.split()) > 2)
@@ -87,6 +95,8 @@ def inspect(fn, signature, constexprs, num_warps):
     loops = loop_bodies(body)
     if loops and per_thread:  # a streaming kernel's cost an element is its loop's, not the whole body's
         cost += f"; loops {', '.join(f'{n / per_thread:.1f}' for n in loops)} an element"
+    if DIGEST:
+        cost += f"; sass {hashlib.sha256(sass.encode()).hexdigest()[:12]}"
     print(f"{fn.__name__} {constexprs} warps={num_warps}: {regs[0] if regs else '?'}{cost}")
     print("   ", dict(ops))
     return instruction_mix(body, per_thread)
@@ -184,6 +194,26 @@ def main():
                     {**options, "FIRST": first, "LAST": last, "BLOCK": lce.FOLD_BLOCK}, lce.FOLD_WARPS)
         inspect(lce.gradient_kernel, signature(lce.gradient_kernel), {**options, "BLOCK": 2048},
                 lce.GRADIENT_WARPS)
+    for flags in (False, True):  # probability targets
+        inspect(ce._forward_probs_kernel, signature(ce._forward_probs_kernel),
+                {"HAS_WEIGHT": flags, "SOFTCAP": flags, "BLOCK": ce.FORWARD_BLOCKS[flags]}, ce.FORWARD_WARPS)
+    for rms in (True, False):  # the norms' cluster plans at 8 CTAs
+        inspect(norm._forward_cluster_kernel, signature(norm._forward_cluster_kernel),
+                {"RMS": rms, "HAS_RESIDUAL": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "STATS": True,
+                 "BLOCK": 8192, "CLUSTER": 8, "CLUSTER_POW2": 8, "BF16_HELD": rms, "AHEAD": rms}, 4)
+        inspect(norm._backward_cluster_kernel, signature(norm._backward_cluster_kernel),
+                {"RMS": rms, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "HAS_DH": False, "BLOCK": 8192, "CLUSTER": 8,
+                 "CLUSTER_POW2": 8, "AHEAD": rms}, 8)
+    for flags in (False, True):  # log_probs and the distillation loss
+        inspect(log_probs._forward_kernel, signature(log_probs._forward_kernel),
+                {"SOFTCAP": flags, "ENTROPY": flags, "PARTIAL": False, "BLOCK": log_probs.FORWARD_BLOCK},
+                log_probs.FORWARD_WARPS)
+        inspect(log_probs._backward_kernel, signature(log_probs._backward_kernel),
+                {"SOFTCAP": flags, "ENTROPY": flags, "BLOCK": log_probs.BACKWARD_BLOCK}, log_probs.BACKWARD_WARPS)
+    for mode in (0, 1, 2):
+        inspect(distillation._distillation_kernel, signature(distillation._distillation_kernel),
+                {"HAS_TARGET": mode == 2, "MODE": mode, "GRADIENT": True, "BLOCK": distillation.BLOCK},
+                distillation.WARPS)
     for activation in (0, 1, 2):  # the gated activations: SiLU, GELU (tanh), GELU (erf)
         for kernel in (gated._gated_forward_kernel, gated._gated_backward_kernel):
             inspect(kernel, signature(kernel), {"ACTIVATION": activation, "BLOCK": gated.BLOCK, "ALIGN": 1},
@@ -191,5 +221,7 @@ def main():
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--digest", action="store_true", help="add a hash of each variant's SASS")
+    DIGEST = parser.parse_args().digest
     main()

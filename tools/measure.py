@@ -1,7 +1,12 @@
 """Shared by the tuning and experiment scripts: GPU time of a call, the copy ceiling of the
-run, host time of a call, the best configuration per shape, the sizes loop of the long-row
-experiments, and an autograd node that does nothing (the engine's own cost)."""
+run, host time of a call, the sweep over plans and shapes with its best configuration per
+shape, the sizes loop of the long-row experiments, and an autograd node that does nothing
+(the engine's own cost)."""
 
+import argparse
+import functools
+import json
+import os
 import time
 
 import torch
@@ -80,6 +85,43 @@ def print_best(results, directions, sizes):
             default = next((r for r in rows if r["default"]), None)
             print(f"{direction} N={N}: best {best['fraction']:.3f} {best['config']}; default "
                   f"{default['fraction'] if default else float('nan'):.3f}", flush=True)
+
+
+def tune_parser(doc):
+    """The sweeps' common options: where the JSON goes, which row lengths and directions,
+    the default plan alone or only some plans."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=doc.split("\n\n", 1)[-1])
+    p.add_argument("--out", default=".", help="folder for the JSON results")
+    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144", help="row lengths N")
+    p.add_argument("--directions", default="fwd,bwd")
+    p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
+    p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
+    return p
+
+
+def sweep(args, shape, name):
+    """Time each candidate config of every direction and row length N (M = 2^27 / N rows),
+    save the results as args.out/name and print the best per shape. shape(direction, N, M)
+    returns the library's default config, the candidates, a launch(cfg) that runs one, and
+    the bytes a launch must move."""
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    directions, sizes = args.directions.split(","), [int(n) for n in args.sizes.split(",")]
+    plans = [p for p in args.plans.split(",") if p]
+    results = []
+    for direction in directions:
+        for N in sizes:
+            default, candidates, launch, nbytes = shape(direction, N, 2**27 // N)
+            candidates = [default] + [cfg for cfg in candidates if cfg != default and not args.default_only
+                                      and (not plans or cfg["plan"] in plans)]
+            for cfg in candidates:
+                record(results, direction, N, cfg, functools.partial(launch, cfg), nbytes, copy_bw, default)
+            del launch  # its tensors, before the next shape's
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
+    print_best(results, directions, sizes)
 
 
 def checked_copy_bandwidth(check):

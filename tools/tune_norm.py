@@ -1,20 +1,18 @@
 """Sweep the rms_norm / layer_norm launch configurations on a GPU (bf16 unless --dtype, M*N =
 2^27, with a weight; LayerNorm with a bias too) and print each one's fraction of the copy bandwidth.
-Feeds the tables in pintail/norm/plans.py and
+Feeds the tables in pintail/norm/plans.py.
 
     python tools/tune_norm.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--layer | --residual]
                                 [--default-only] [--first-stands-out] [--plans cluster,split] [--dtype float16]
                                 [--configs JSON list of configs] [--no-stats]
 """
 
-import argparse
 import importlib
 import json
-import os
 
 import torch
 from op_modules import Op
-from measure import copy_bandwidth, print_best, record
+from measure import sweep, tune_parser
 
 norm = Op("norm")
 launch = importlib.import_module("pintail._core.launch")
@@ -132,17 +130,12 @@ def forward_plan(N, rms, residual, bf16):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=".")
-    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
-    p.add_argument("--directions", default="fwd,bwd")
+    p = tune_parser(__doc__)
     p.add_argument("--layer", action="store_true", help="layer_norm (weight and bias) instead of rms_norm")
     p.add_argument("--residual", action="store_true",
                    help="rms_norm with a fused residual (the backward: with the residual's gradient dh)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
     p.add_argument("--tails", action="store_true", help="the rows plan's two-tile configs alone, and the default")
-    p.add_argument("--plans", default="", help="only these plans (and the default), e.g. cluster,split")
     p.add_argument("--no-stats", action="store_true",
                    help="forward without storing mean / rstd (as the bench times it: no input requires grad)")
     p.add_argument("--configs", default="",
@@ -152,50 +145,35 @@ def main():
     args = p.parse_args()
     rms = not args.layer
     dtype = getattr(torch, args.dtype)
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    results = []
-    for direction in args.directions.split(","):
-        for N in map(int, args.sizes.split(",")):
-            M = 2**27 // N
-            x = torch.randn(M, N, device="cuda", dtype=dtype)
-            if args.first_stands_out:
-                x[:, 0] = 1000.0
-            w = torch.randn(N, device="cuda", dtype=dtype)
-            b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
-            dy = torch.randn_like(x)
-            _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
-            default = (forward_plan(N, rms, args.residual, dtype == torch.bfloat16) if direction == "fwd"
-                       else norm.backward_config(N, rms, args.residual, clusters=True))
-            residual = torch.randn_like(x) if args.residual else None
-            dh = residual if args.residual else None  # the backward's extra read (any values do)
-            # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
-            tensors = (4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3)
-            nbytes = M * N * x.element_size() * tensors
-            candidates = [default] if args.default_only else configs(direction, N, rms)
-            if args.tails:
-                candidates = [default] + [cfg for cfg in candidates if "TAIL" in cfg and cfg != default]
-            if args.configs:
-                candidates = [default] + [cfg for cfg in json.loads(args.configs) if cfg != default]
-            if args.plans:
-                candidates = [default] + [cfg for cfg in candidates
-                                          if cfg["plan"] in args.plans.split(",") and cfg != default]
-            for cfg in candidates:
-                if direction == "fwd":
-                    fn = lambda: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg,
-                                               stats=not args.no_stats)
-                else:
-                    fn = lambda: norm._backward(dy, dh, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
-                record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
-            del x, dy, residual
-            torch.cuda.empty_cache()
+
+    def shape(direction, N, M):
+        x = torch.randn(M, N, device="cuda", dtype=dtype)
+        if args.first_stands_out:
+            x[:, 0] = 1000.0
+        w = torch.randn(N, device="cuda", dtype=dtype)
+        b = None if rms else torch.randn(N, device="cuda", dtype=dtype)
+        dy = torch.randn_like(x)
+        _, _, mean, rstd = norm._forward(x, None, w, b, 1e-6, 0.0, rms, x.dtype)
+        residual = torch.randn_like(x) if args.residual else None
+        dh = residual  # the backward's extra read (any values do)
+        candidates = configs(direction, N, rms)
+        if args.tails:
+            candidates = [cfg for cfg in candidates if "TAIL" in cfg]
+        if args.configs:
+            candidates = json.loads(args.configs)
+        # fwd: x (and residual) in, y (and h) out; bwd: x, dy (and dh) in, dx out
+        tensors = (4 if args.residual else 2) if direction == "fwd" else (4 if args.residual else 3)
+        if direction == "fwd":
+            default = forward_plan(N, rms, args.residual, dtype == torch.bfloat16)
+            run = lambda cfg: norm._forward(x, residual, w, b, 1e-6, 0.0, rms, x.dtype, cfg, stats=not args.no_stats)
+        else:
+            default = norm.backward_config(N, rms, args.residual, clusters=True)
+            run = lambda cfg: norm._backward(dy, dh, x, w, not rms, mean, rstd, 0.0, rms, x.dtype, cfg)
+        return default, candidates, run, M * N * x.element_size() * tensors
+
     name = "tune_layer_norm.json" if args.layer else "tune_rms_norm_residual.json" if args.residual else \
         "tune_rms_norm.json"
-    if dtype != torch.bfloat16:
-        name = name.replace(".json", f"_{args.dtype}.json")
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
-    print_best(results, args.directions.split(","), list(map(int, args.sizes.split(","))))
+    sweep(args, shape, name if dtype == torch.bfloat16 else name.replace(".json", f"_{args.dtype}.json"))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
 """Sweep the softmax launch configurations on a GPU (bf16, M*N = 2^27) and print, per
 direction and N, each configuration's fraction of the copy bandwidth. Feeds the tables in
-pintail/softmax/plans.py and
+pintail/softmax/plans.py.
 
     python tools/tune_softmax.py [--out DIR] [--sizes 1024,4096] [--directions fwd,bwd] [--default-only]
+                                   [--plans cluster,split] [--log] [--dtype fp16]
 """
 
-import argparse
 import importlib
-import json
-import os
 
 import torch
 from op_modules import Op
-from measure import copy_bandwidth, print_best, record
+from measure import sweep, tune_parser
 
 sm = Op("softmax")
 launch = importlib.import_module("pintail._core.launch")
@@ -83,45 +81,23 @@ def configs(N, direction):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=".")
-    p.add_argument("--sizes", default="1024,4096,8192,16384,32768,65536,131072,262144")
-    p.add_argument("--directions", default="fwd,bwd")
+    p = tune_parser(__doc__)
     p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
-    p.add_argument("--default-only", action="store_true", help="time the library's default plan alone")
-    p.add_argument("--plans", default="", help="only these plans, e.g. cluster,split")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = p.parse_args()
-    copy_bw = copy_bandwidth()
-    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    results = []
-    for direction in args.directions.split(","):
-        for N in map(int, args.sizes.split(",")):
-            M = 2**27 // N
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-            x = torch.randn(M, N, device="cuda", dtype=dtype)
-            item = x.element_size()
-            y = torch.empty_like(x)
-            dy = torch.randn_like(x)
-            dx = torch.empty_like(x)
-            # the library's own choice for these tensors (the row-shift plan included)
-            default = sm.planned_forward(x, y, args.log) if direction == "fwd" else \
-                sm.planned_backward(y, dy, dx, args.log)
-            nbytes = (2 if direction == "fwd" else 3) * M * N * item
-            plans = configs(N, direction)
-            plans = [default] if args.default_only else plans + ([default] if default not in plans else [])
-            plans = [c for c in plans if not args.plans or c["plan"] in args.plans.split(",")]
-            for cfg in plans:
-                if direction == "fwd":
-                    fn = lambda: sm.launch_forward(x, y, args.log, cfg)
-                else:
-                    fn = lambda: sm.launch_backward(y, dy, dx, args.log, cfg)
-                record(results, direction, N, cfg, fn, nbytes, copy_bw, default)
-            del x, y, dy, dx
-            torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "tune_softmax.json"), "w") as f:
-        json.dump({"copy_tbps": copy_bw / 1e12, "results": results}, f, indent=1)
-    print_best(results, args.directions.split(","), list(map(int, args.sizes.split(","))))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+
+    def shape(direction, N, M):
+        x = torch.randn(M, N, device="cuda", dtype=dtype)
+        y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
+        if direction == "fwd":  # the library's own choice for these tensors (the row-shift plan included)
+            default, run = sm.planned_forward(x, y, args.log), lambda cfg: sm.launch_forward(x, y, args.log, cfg)
+        else:
+            default, run = (sm.planned_backward(y, dy, dx, args.log),
+                               lambda cfg: sm.launch_backward(y, dy, dx, args.log, cfg))
+        return default, configs(N, direction), run, (2 if direction == "fwd" else 3) * M * N * x.element_size()
+
+    sweep(args, shape, "tune_softmax.json")
 
 
 if __name__ == "__main__":

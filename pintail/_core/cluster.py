@@ -134,6 +134,22 @@ def start(WORDS, CLUSTER: tl.constexpr, WAIT: tl.constexpr = True):
 
 
 @triton.jit
+def slice_columns(rank, N, BLOCK: tl.constexpr):
+    """The columns of CTA `rank`'s slice of a row of N, and which of them are in the row."""
+    cols = rank * BLOCK + tl.arange(0, BLOCK)
+    return cols, cols < N
+
+
+@triton.jit
+def round_row(first_row, i, clusters, M, col_mask):
+    """A persistent cluster's row in round i, whether it is one of the M rows, the slice's
+    mask for it and the row as int64: every CTA runs every round, rows past M join with zeros."""
+    row = first_row + i * clusters
+    in_rows = row < M
+    return row, in_rows, col_mask & in_rows, row.to(tl.int64)
+
+
+@triton.jit
 def wait(token):
     """The wait of `start`'s cluster barrier: every CTA of the cluster has initialised its
     mbarriers. A new token."""

@@ -69,11 +69,20 @@ def wait_for_row(slots_ptr, row, SLICES, SLICES_POW2: tl.constexpr):
 
 
 @triton.jit
-def ticket_work(ticket, SLICES, LAG, BLOCK: tl.constexpr):
+def take_ticket(slots_ptr):
+    """The next ticket (slots[0] counts them)."""
+    return tl.atomic_add(slots_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def ticket_work(ticket, M, N, SLICES, LAG, BLOCK: tl.constexpr):
     """Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG
-    before (`done`; negative: nothing to write yet)."""
+    before (`done`; negative: nothing to write yet). Returns both rows, the slice's columns
+    and the masks of the read (`new`) and of the write (`old`)."""
     row = ticket // SLICES
-    return row, row - LAG, (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    done = row - LAG
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    return row, done, cols, (cols < N) & (row < M), (cols < N) & (done >= 0)
 
 
 def split_plan(M, N, cfg, device):

@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from .._core.launch import aligned
-from .rows import (class_gradient, fold_chunk, gradient_factors, load_class_weights, load_logits, softcapped,
-                   store_row_loss, weight_sum)
+from .rows import (chunk_program, class_gradient, fold_chunk, gradient_factors, load_class_weights, load_logits,
+                   softcapped, store_row_loss, weight_sum)
 
 # Columns of the running state a row carries from chunk to chunk (float32): the max, the sum
 # of exp(x - max), the smoothing sum's anchor, sum_j v_j (x_j - anchor), the target's logit.
@@ -68,12 +68,7 @@ def gradient_kernel(x_ptr, x_row_stride, n, first_class, V, target_ptr, weight_p
     # One block of one row of one chunk: the gradient of the row's loss (times grad[row])
     # with respect to the chunk's logits, written over them (the GEMMs read it next).
     n, x_row_stride = aligned(n, ALIGN), aligned(x_row_stride, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = at < n
-    t = tl.load(target_ptr + row).to(tl.int64)
-    ignored = t == ignore_index
-    in_range = (t >= 0) & (t < V)
+    row, at, mask, t, ignored, in_range = chunk_program(target_ptr, n, ignore_index, V, BLOCK)
     target_at = tl.where(in_range, t - first_class, -1).to(tl.int32)  # outside the chunk: no class of it
     target_at = tl.where((target_at >= 0) & (target_at < n), target_at, -1)
     row_max = tl.load(stats_ptr + 2 * row)

@@ -190,3 +190,14 @@ def class_gradient(x, at, mask, target_at, row_max, log_sum, coef, hit, spread, 
     if SOFTCAP:
         d *= slope
     return d
+
+
+@triton.jit
+def chunk_program(target_ptr, n, ignore_index, num_classes, BLOCK: tl.constexpr):
+    """A program over BLOCK of the n classes of a row's chunk (row: program_id 0, block:
+    program_id 1): the row, the classes, their mask, the row's target, whether it is
+    ignore_index and whether it is one of the num_classes classes."""
+    row = tl.program_id(0).to(tl.int64)
+    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.load(target_ptr + row).to(tl.int64)
+    return row, at, at < n, t, t == ignore_index, (t >= 0) & (t < num_classes)

@@ -43,6 +43,48 @@ def _reduce_kernel(loss_ptr, target_ptr, weight_ptr, out_ptr, denom_ptr, M, V, i
 
 
 @triton.jit
+def _fold_piece(x_chunks, y_chunks, weights, cols, mask, V, smoothing, softcap, running_max, running_sum, anchor,
+                smoothed, mass, PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr,
+                SOFTCAP: tl.constexpr):
+    """fold_chunk over the classes `cols` (where mask) of a row, each with its weight in the
+    smoothed sum (_fold_row)."""
+    x = load_logits(x_chunks, cols, mask, softcap, SOFTCAP)
+    if PROBS:
+        v = _target_weights(y_chunks, cols, mask, weights, smoothing, V, HAS_WEIGHT)
+    else:
+        v = load_class_weights(weights, cols, mask, HAS_WEIGHT and SMOOTH)
+    return fold_chunk(x, v, running_max, running_sum, anchor, smoothed, mass, SMOOTH, HAS_WEIGHT or PROBS,
+                      HAS_WEIGHT or PROBS)
+
+
+@triton.jit
+def _fold_row(x_chunks, y_chunks, row_weights, end_weights, row, x_row_stride, V, span, smoothing, softcap,
+              PROBS: tl.constexpr, HAS_WEIGHT: tl.constexpr, SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr,
+              BLOCK: tl.constexpr, SHIFT: tl.constexpr, EVEN: tl.constexpr):
+    """A row's (max, sum of exp, anchor, smoothed sum, mass) by fold_chunk over its chunks
+    (`span` classes from x_chunks) and, with SHIFT, its ends. Each class's weight in the
+    smoothed sum: PROBS, w_j y'_j (_target_weights, y from y_chunks); else w_j (smoothing
+    with weights: the mass is W) or 1. The chunks' weights from row_weights, the ends' from
+    end_weights (_weight_rows' table)."""
+    running_max = -float("inf")
+    running_sum = 0.0
+    anchor = 0.0
+    smoothed = 0.0
+    mass = 0.0
+    for start in range(0, span, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        running_max, running_sum, anchor, smoothed, mass = _fold_piece(
+            x_chunks, y_chunks, row_weights, cols, in_row(cols, span, EVEN), V, smoothing, softcap,
+            running_max, running_sum, anchor, smoothed, mass, PROBS, HAS_WEIGHT, SMOOTH, SOFTCAP)
+    if SHIFT:
+        at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
+        running_max, running_sum, anchor, smoothed, mass = _fold_piece(
+            x_chunks, y_chunks, end_weights, at, ends, V, smoothing, softcap,
+            running_max, running_sum, anchor, smoothed, mass, PROBS, HAS_WEIGHT, SMOOTH, SOFTCAP)
+    return running_max, running_sum, anchor, smoothed, mass
+
+
+@triton.jit
 def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stats_ptr, mass_ptr, V, x_row_stride,
                     ignore_index, smoothing, z_scale, softcap, z_ratio_ptr, HAS_WEIGHT: tl.constexpr,
                     SMOOTH: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
@@ -62,27 +104,11 @@ def _forward_kernel(x_ptr, target_ptr, weight_ptr, weight_stride, loss_ptr, stat
         chunks = x_ptr + cluster.slice_start(row, x_row_stride, SHIFT)
         first = cluster.row_head(row, x_row_stride, SHIFT)
         span = cluster.whole_end(row, x_row_stride, V, SHIFT)
-    # the chunks' weights from row `first` of _weight_rows' table; the ends' (at < 0 too) from its
-    # row 0, the weights themselves
-    row_weights = weight_ptr + first * weight_stride
-    running_max = -float("inf")
-    running_sum = 0.0
-    anchor = 0.0
-    weighted_x = 0.0
-    weight_total = 0.0
-    for start in range(0, span, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = in_row(cols, span, EVEN)
-        x = load_logits(chunks, cols, mask, softcap, SOFTCAP)
-        v = load_class_weights(row_weights, cols, mask, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, weight_total = fold_chunk(
-            x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
-    if SHIFT:
-        at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
-        x = load_logits(chunks, at, ends, softcap, SOFTCAP)
-        v = load_class_weights(weight_ptr + first, at, ends, HAS_WEIGHT and SMOOTH)
-        running_max, running_sum, anchor, weighted_x, weight_total = fold_chunk(
-            x, v, running_max, running_sum, anchor, weighted_x, weight_total, SMOOTH, HAS_WEIGHT, HAS_WEIGHT)
+    # the chunks' weights from row `first` of _weight_rows' table; the ends' (at < 0 too) from
+    # its row 0, the weights themselves
+    running_max, running_sum, anchor, weighted_x, weight_total = _fold_row(
+        chunks, chunks, weight_ptr + first * weight_stride, weight_ptr + first, row, x_row_stride, V, span, smoothing,
+        softcap, False, HAS_WEIGHT, SMOOTH, SOFTCAP, BLOCK, SHIFT, EVEN)
     t = tl.load(target_ptr + row).to(tl.int64)
     readable = (t >= 0) & (t < V) & (t != ignore_index)
     x_t = tl.load(x_row + t, mask=readable, other=0.0).to(tl.float32)
@@ -124,25 +150,9 @@ def _forward_probs_kernel(x_ptr, y_ptr, weight_ptr, weight_stride, loss_ptr, sta
     if SHIFT:
         first = cluster.row_head(row, x_row_stride, SHIFT)
         span = cluster.whole_end(row, x_row_stride, V, SHIFT)
-    row_weights = weight_ptr + first * weight_stride  # as in _forward_kernel
-    running_max = -float("inf")
-    running_sum = 0.0
-    anchor = 0.0
-    target_x = 0.0
-    mass = 0.0
-    for start in range(0, span, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = in_row(cols, span, EVEN)
-        x = load_logits(x_chunks, cols, mask, softcap, SOFTCAP)
-        y = _target_weights(y_chunks, cols, mask, row_weights, smoothing, V, HAS_WEIGHT)
-        running_max, running_sum, anchor, target_x, mass = fold_chunk(
-            x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
-    if SHIFT:
-        at, ends = cluster.row_ends(row, x_row_stride, V, 0, BLOCK, SHIFT, 1)
-        x = load_logits(x_chunks, at, ends, softcap, SOFTCAP)
-        y = _target_weights(y_chunks, at, ends, weight_ptr + first, smoothing, V, HAS_WEIGHT)
-        running_max, running_sum, anchor, target_x, mass = fold_chunk(
-            x, y, running_max, running_sum, anchor, target_x, mass, True, True, True)
+    running_max, running_sum, anchor, target_x, mass = _fold_row(
+        x_chunks, y_chunks, weight_ptr + first * weight_stride, weight_ptr + first, row, x_row_stride, V, span,
+        smoothing, softcap, True, HAS_WEIGHT, True, SOFTCAP, BLOCK, SHIFT, EVEN)
     log_sum = tl.log2(running_sum) * LN2
     lse = running_max + log_sum
     tl.store(loss_ptr + row, mass * log_sum - about_max(target_x, mass, running_max, anchor) + z_scale * lse * lse)

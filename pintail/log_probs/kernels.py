@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from .._core.launch import aligned
-from .._loss.rows import LN2, LOG2E, load_logits, softcapped, tanh_and_slope
+from .._loss.rows import LN2, LOG2E, chunk_program, load_logits, softcapped, tanh_and_slope
 
 
 @triton.jit
@@ -71,12 +71,7 @@ def _backward_kernel(dx_ptr, dx_row_stride, x_ptr, x_row_stride, target_ptr, sta
     #   d lp / dz_k = [k == t] - p_k,   d H / dz_k = -p_k (log p_k + H),
     # times the incoming gradients, 1 / temperature and the softcap's slope. dx may be x.
     V, x_row_stride, dx_row_stride = aligned(V, ALIGN), aligned(x_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
-    row = tl.program_id(0).to(tl.int64)
-    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = at < V
-    t = tl.load(target_ptr + row).to(tl.int64)
-    ignored = t == ignore_index
-    in_range = (t >= 0) & (t < num_classes)
+    row, at, mask, t, ignored, in_range = chunk_program(target_ptr, V, ignore_index, num_classes, BLOCK)
     keep = tl.where(ignored, 0.0, tl.where(in_range, 1.0, float("nan")))  # ignored rows: no gradient
     row_max = tl.load(stats_ptr + 2 * row)
     log_sum = tl.load(stats_ptr + 2 * row + 1)

@@ -246,7 +246,7 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
     N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
     dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = tl.cdiv(M, ROWS) * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    ticket = split.take_ticket(slots_ptr)
     while ticket < end:
         block = ticket // SLICES
         slice_index = ticket % SLICES
@@ -287,7 +287,7 @@ def _backward_blocks_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, rstd_ptr, slots_ptr, d
             tl.store(dw_ptr + block * N + cols, dw, mask=mask)
         if HAS_BIAS:
             tl.store(db_ptr + block * N + cols, db, mask=mask)
-        ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        ticket = split.take_ticket(slots_ptr)
 
 
 @triton.jit(do_not_specialize=["WORDS", "ROUNDS"])
@@ -304,8 +304,7 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
     N, x_row_stride, dy_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(dy_row_stride, ALIGN)
     dh_row_stride, dx_row_stride = aligned(dh_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
-    cols = rank * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < N
+    cols, col_mask = cluster.slice_columns(rank, N, BLOCK)
     if AHEAD:
         mask = col_mask & (first_row < M)
         x_next = tl.load(x_ptr + first_row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0)
@@ -313,10 +312,7 @@ def _backward_cluster_kernel(x_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, d
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, ROUNDS):
-        row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
-        in_rows = row < M
-        mask = col_mask & in_rows
-        row64 = row.to(tl.int64)
+        row, in_rows, mask, row64 = cluster.round_row(first_row, i, clusters, M, col_mask)
         if AHEAD:
             x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
             ahead_mask = col_mask & (row64 + clusters < M)

@@ -101,6 +101,16 @@ def _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y
 
 
 @triton.jit
+def _affine(y, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y * (weight + weight_offset) + bias at the columns `cols` (either left out where absent)."""
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, inv_n,
                     x_row_stride, residual_row_stride, h_row_stride, y_row_stride, eps, weight_offset,
                     RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -161,11 +171,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=drop).to(tl.float32)
-        y = (x - mean) * rstd if not RMS else x * rstd
-        if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _affine((x - mean) * rstd if not RMS else x * rstd, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT,
+                    HAS_BIAS)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     # mean / rstd last: stored before pass 2, LayerNorm's 16384 / 8 warps took 100 registers
     # on sm_90 (two programs an SM) against 71 without them, 74 stored here (three)
@@ -317,11 +324,9 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
     N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     end = (M + LAG) * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    ticket = split.take_ticket(slots_ptr)
     while ticket < end:
-        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
-        new = (cols < N) & (row < M)
-        old = (cols < N) & (done >= 0)
+        row, done, cols, new, old = split.ticket_work(ticket, M, N, SLICES, LAG, BLOCK)
         if HAS_RESIDUAL:
             x_new = _load_normalised(x_ptr, residual_ptr, h_ptr, row, cols, new, x_row_stride, residual_row_stride,
                                      HAS_RESIDUAL)
@@ -332,7 +337,7 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
             x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0)
         if not RMS:  # the row's first value (the shift), issued with the slices' loads
             first = tl.load(x_ptr + row * x_row_stride, mask=row < M, other=0.0).to(tl.float64)
-        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        next_ticket = split.take_ticket(slots_ptr)
         if row < M:
             if HAS_RESIDUAL:
                 tl.store(h_ptr + row * h_row_stride + cols, x_new.to(h_ptr.dtype.element_ty), mask=new)
@@ -361,11 +366,7 @@ def _forward_split_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_
                 tl.store(mean_ptr + done, mean, mask=ticket % SLICES == 0)
             rstd = 1.0 / tl.sqrt(var + eps)
             tl.store(rstd_ptr + done, rstd, mask=ticket % SLICES == 0)
-            y = centred * rstd
-            if HAS_WEIGHT:
-                y *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
-            if HAS_BIAS:
-                y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            y = _affine(centred * rstd, w_ptr, b_ptr, cols, cols < N, weight_offset, HAS_WEIGHT, HAS_BIAS)
             tl.store(y_ptr + done * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
         ticket = next_ticket
 
@@ -424,17 +425,13 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
     N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     residual_row_stride, h_row_stride = aligned(residual_row_stride, ALIGN), aligned(h_row_stride, ALIGN)
     rank, first_row, clusters, token = cluster.start(WORDS, CLUSTER)
-    cols = rank * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < N
+    cols, col_mask = cluster.slice_columns(rank, N, BLOCK)
     exchanges = 0  # the exchanges so far (they take the buffers in turn): LayerNorm's flagged rows take two
     if AHEAD:
         x_next, residual_next, pilot_next = _cluster_row(x_ptr, residual_ptr, first_row, M, cols, col_mask,
                                                          x_row_stride, residual_row_stride, RMS, HAS_RESIDUAL)
     for i in range(0, ROUNDS):
-        row = first_row + i * clusters  # every CTA runs every round: rows past M join with zeros
-        in_rows = row < M
-        mask = col_mask & in_rows
-        row64 = row.to(tl.int64)
+        row, in_rows, mask, row64 = cluster.round_row(first_row, i, clusters, M, col_mask)
         if AHEAD:
             x_held, residual, pilot = x_next, residual_next, pilot_next
             x_next, residual_next, pilot_next = _cluster_row(x_ptr, residual_ptr, row + clusters, M, cols, col_mask,
@@ -470,11 +467,7 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
             rstd = 1.0 / tl.sqrt(var + eps)
         if BF16_HELD:
             x = _widened_bf16(x_held)
-        y = (x - mean) * rstd
-        if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + weight_offset
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, col_mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
         tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
             tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))

@@ -82,15 +82,13 @@ def _forward_split_kernel(x_ptr, y_ptr, slots_ptr, M, N, x_row_stride, y_row_str
     # slots[0]: the next ticket; slots[1 + t]: (max, sum) of ticket t's slice, 0 until published.
     N, x_row_stride, y_row_stride = aligned(N, ALIGN), aligned(x_row_stride, ALIGN), aligned(y_row_stride, ALIGN)
     end = (M + LAG) * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    ticket = split.take_ticket(slots_ptr)
     while ticket < end:
-        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
+        row, done, cols, new, old = split.ticket_work(ticket, M, N, SLICES, LAG, BLOCK)
         # Both loads go out at once: the new slice from HBM, the lagged one from L2.
-        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=(cols < N) & (row < M),
-                        other=-float("inf")).to(tl.float32)
-        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=(cols < N) & (done >= 0),
-                        other=0.0).to(tl.float32)
-        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        x_new = tl.load(x_ptr + row * x_row_stride + cols, mask=new, other=-float("inf")).to(tl.float32)
+        x_old = tl.load(x_ptr + done * x_row_stride + cols, mask=old, other=0.0).to(tl.float32)
+        next_ticket = split.take_ticket(slots_ptr)
 
         if row < M:
             # Read: this slice's max and sum of exp(x - max). The word is never 0: a slice
@@ -367,11 +365,9 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
     N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
     dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = (M + LAG) * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    ticket = split.take_ticket(slots_ptr)
     while ticket < end:
-        row, done, cols = split.ticket_work(ticket, SLICES, LAG, BLOCK)
-        new = (cols < N) & (row < M)
-        old = (cols < N) & (done >= 0)
+        row, done, cols, new, old = split.ticket_work(ticket, M, N, SLICES, LAG, BLOCK)
         dy_new = tl.load(dy_ptr + row * dy_row_stride + cols, mask=new, other=0.0).to(tl.float32)
         y_old = tl.load(y_ptr + done * y_row_stride + cols, mask=old, other=0.0).to(tl.float32)
         dy_old = tl.load(dy_ptr + done * dy_row_stride + cols, mask=old, other=0.0).to(tl.float32)
@@ -380,7 +376,7 @@ def _backward_split_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_stride,
         else:
             y_new = tl.load(y_ptr + row * y_row_stride + cols, mask=new, other=0.0).to(tl.float32)
             part = tl.sum(y_new * dy_new, axis=0)
-        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        next_ticket = split.take_ticket(slots_ptr)
 
         if row < M:
             split.publish(slots_ptr, ticket, tl.full((), 1.0, tl.float32), part)  # 1.0: the word is never 0
@@ -407,14 +403,14 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
     N, y_row_stride = aligned(N, ALIGN), aligned(y_row_stride, ALIGN)
     dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = M * SLICES
-    ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+    ticket = split.take_ticket(slots_ptr)
     row = ticket // SLICES
     cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
     y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
     dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
     split.publish_own(slots_ptr, ticket, end, _partial(y_raw, dy_raw, LOG))
     while ticket < end:
-        next_ticket = tl.atomic_add(slots_ptr, 1, sem="relaxed")
+        next_ticket = split.take_ticket(slots_ptr)
         next_row = next_ticket // SLICES
         next_cols = (next_ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
         next_mask = (next_cols < N) & (next_row < M)
