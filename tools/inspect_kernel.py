@@ -1,8 +1,9 @@
 """Compile pintail's kernels for sm_90 on a machine without a GPU (Triton ships ptxas) and
 print registers, spills and the global memory instructions: catches compile errors and
 unvectorised loads before a GPU call. Integer arguments and pointers are taken as
-divisible by 16, as Triton specialises them at launch when they are. --digest adds a hash of each variant's SASS: a refactor that should leave
-the machine code as it was is checked by comparing the two listings.
+divisible by 16, as Triton specialises them at launch when they are. --digest adds a hash
+of each variant's SASS: a refactor that should leave the machine code as it was is checked
+by comparing the listings before and after.
 
     python tools/inspect_kernel.py [--digest]
 """
