@@ -796,22 +796,13 @@ def test_backward_plans_with_clusters():
         assert config(6144, dh=True) == norm_plans.backward_config(6144, rms, dh=True)
         assert config(131073) == norm_plans.backward_config(131073, rms)
         assert config(16384, dh=True) == norm_plans.backward_config(16384, rms, dh=True)
-    assert norm_plans.backward_config(131072, True, clusters=True) == \
-        norm_plans.backward_config(131072, False, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_plans.backward_config(65536, False, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
-    assert norm_plans.backward_config(16384, True, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 2048, "num_warps": 4, "AHEAD": True}
-    assert norm_plans.backward_config(32768, True, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_plans.backward_config(32768, False, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 4096, "num_warps": 8, "AHEAD": True}
-    assert norm_plans.backward_config(16384, False, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 8192, "num_warps": 16, "AHEAD": True}
-    assert norm_plans.backward_config(5120, False, clusters=True) == \
-        norm_plans.backward_config(8192, False, clusters=True) == \
-        {"plan": "cluster", "BLOCK": 1024, "num_warps": 4, "AHEAD": True}
+    # (N, rms): the cluster's (slice, warps), the next row loaded ahead in every entry
+    for (N, rms), (block, warps) in {(131072, True): (8192, 16), (131072, False): (8192, 16),
+                                     (65536, False): (4096, 8), (16384, True): (2048, 4), (32768, True): (8192, 16),
+                                     (32768, False): (4096, 8), (16384, False): (8192, 16), (5120, False): (1024, 4),
+                                     (8192, False): (1024, 4)}.items():
+        assert norm_plans.backward_config(N, rms, clusters=True) == \
+            {"plan": "cluster", "BLOCK": block, "num_warps": warps, "AHEAD": True}, (N, rms)
 
 
 def test_forward_plans_with_clusters():

@@ -44,14 +44,19 @@ def _refuse_reference():
             setattr(reference, name, refuse)
 
 
-def _worker(rank, world, store_path, kernels):
+def _join(rank, world, store_path, kernels):
+    """A spawned rank joins the gloo group (the reference refused where the kernels must run):
+    the group, the slices' sizes and this rank's classes [start, stop)."""
     if kernels:
         _refuse_reference()
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    sizes = SLICES[world]
+    return dist.group.WORLD, sizes, sum(sizes[:rank]), sum(sizes[:rank + 1])
+
+
+def _worker(rank, world, store_path, kernels):
+    group, sizes, start, stop = _join(rank, world, store_path, kernels)
     try:
-        group = dist.group.WORLD
-        sizes = SLICES[world]
-        start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
         M, V, K = 7, sum(sizes), 12
         for options in OPTIONS:
             x, W, t, weight, kwargs = _inputs(M, V, K, options)
@@ -112,15 +117,10 @@ def _worker(rank, world, store_path, kernels):
 def _log_probs_worker(rank, world, store_path, kernels):
     """linear_log_probs on this rank's rows of the head (uneven slices, a ragged last token
     chunk, a bias, ignored and in-slice targets): lp, H and the gradients against float64."""
-    if kernels:
-        _refuse_reference()
     import pintail._loss.plans
     pintail._loss.plans.MIN_TOKEN_ROWS = 2  # this process only: token chunks of 3 rows over 7
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    group, sizes, start, stop = _join(rank, world, store_path, kernels)
     try:
-        group = dist.group.WORLD
-        sizes = SLICES[world]
-        start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
         M, V, K = 7, sum(sizes), 12
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(M, K, generator=generator)
