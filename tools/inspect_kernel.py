@@ -77,7 +77,7 @@ def inspect(fn, signature, constexprs, num_warps):
         constexprs = {**constexprs, "TAIL": 0}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **EXTRA_OPTIONS})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:  # one file a process
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:  # one file a variant
         f.write(k.asm["cubin"])
     path = f.name
     usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout

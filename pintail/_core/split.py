@@ -75,13 +75,23 @@ def take_ticket(slots_ptr):
 
 
 @triton.jit
+def ticket_slice(ticket, M, N, SLICES, BLOCK: tl.constexpr):
+    """Ticket t's slice: row t // SLICES, the columns of slice t % SLICES, and which of them
+    are in one of the M rows of N."""
+    row = ticket // SLICES
+    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, (cols < N) & (row < M)
+
+
+@triton.jit
 def ticket_work(ticket, M, N, SLICES, LAG, BLOCK: tl.constexpr):
-    """Ticket t: read slice t % SLICES of row t // SLICES, write that slice of the row LAG
-    before (`done`; negative: nothing to write yet). Returns both rows, the slice's columns
-    and the masks of the read (`new`) and of the write (`old`)."""
+    """Ticket t: read its slice (ticket_slice), write that slice of the row LAG before
+    (`done`; negative: nothing to write yet). Returns both rows, the slice's columns and the
+    masks of the read (`new`) and of the write (`old`)."""
     row = ticket // SLICES
     done = row - LAG
     cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
+    # not through ticket_slice: its order of these steps compiles the split kernels differently
     return row, done, cols, (cols < N) & (row < M), (cols < N) & (done >= 0)
 
 

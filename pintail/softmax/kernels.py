@@ -404,16 +404,13 @@ def _backward_own_row_kernel(y_ptr, dy_ptr, dx_ptr, slots_ptr, M, N, y_row_strid
     dy_row_stride, dx_row_stride = aligned(dy_row_stride, ALIGN), aligned(dx_row_stride, ALIGN)
     end = M * SLICES
     ticket = split.take_ticket(slots_ptr)
-    row = ticket // SLICES
-    cols = (ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
-    y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
-    dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=(cols < N) & (row < M), other=0.0)
+    row, cols, mask = split.ticket_slice(ticket, M, N, SLICES, BLOCK)
+    y_raw = tl.load(y_ptr + row * y_row_stride + cols, mask=mask, other=0.0)
+    dy_raw = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0)
     split.publish_own(slots_ptr, ticket, end, _partial(y_raw, dy_raw, LOG))
     while ticket < end:
         next_ticket = split.take_ticket(slots_ptr)
-        next_row = next_ticket // SLICES
-        next_cols = (next_ticket % SLICES) * BLOCK + tl.arange(0, BLOCK)
-        next_mask = (next_cols < N) & (next_row < M)
+        next_row, next_cols, next_mask = split.ticket_slice(next_ticket, M, N, SLICES, BLOCK)
         y_next = tl.load(y_ptr + next_row * y_row_stride + next_cols, mask=next_mask, other=0.0)
         dy_next = tl.load(dy_ptr + next_row * dy_row_stride + next_cols, mask=next_mask, other=0.0)
         split.publish_own(slots_ptr, next_ticket, end, _partial(y_next, dy_next, LOG))
