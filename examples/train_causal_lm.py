@@ -143,6 +143,9 @@ def main(argv=None):
     tokens = args.batch * args.seq
     print(f"\n{args.model} ({args.width}, {args.dtype}), {args.batch} x {args.seq} tokens, {args.steps} steps, "
           f"{args.device}{', ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}\n")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        print("pintail's kernels ran in the Triton interpreter (TRITON_INTERPRET=1): its tokens/s time the\n"
+              "interpreter, a check of the kernels, not their speed (on a GPU they run compiled).\n")
     print(f"| run | first loss | last loss | tokens/s (median step after {warm.start}) | vs {next(iter(runs))} | "
           f"peak memory |\n|---|---|---|---|---|---|")
     base = None

@@ -219,10 +219,9 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m pintail.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops, or 'all' (softmax, log_softmax, cross_entropy, cross_entropy_probs, "
-                        "cross_entropy_options, rms_norm, layer_norm, rms_norm_residual, rotary, swiglu, geglu, "
-                        "linear_cross_entropy: "
-                        "its own protocol at real heads, written to heads.json and heads.md); default: "
+                   help=f"comma-separated ops, or 'all' ({', '.join(_ops())}; linear_cross_entropy, "
+                        "linear_log_probs and linear_distillation_loss time real heads on a GPU, each written to "
+                        "<op>.json and <op>.md, linear_cross_entropy's as heads.json and heads.md); default: "
                         f"{','.join(DEFAULT_OPS)} on a GPU, all in the CPU check")
     p.add_argument("--directions", default=None,
                    help="comma-separated subset of fwd, bwd, fwd+bwd (default: every direction of each op)")

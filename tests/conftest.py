@@ -58,8 +58,56 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="GPU only: the interpreter runs programs one at a time"))
 
 
+class CompileCount:
+    """Triton's compilations on a GPU run (kernel variants built, seconds spent, variants loaded
+    from the disk cache), summed over pytest-xdist's workers: the suite's cost on a GPU is
+    mostly compilation, and the summary says how much."""
+
+    def __init__(self):
+        self.built, self.seconds, self.loaded = 0, 0.0, 0
+
+    def listen(self, *, cache_hit, times, **_):
+        if cache_hit:
+            self.loaded += 1
+        else:
+            self.built += 1
+            self.seconds += times.total / 1e6
+
+    def add(self, counts):
+        self.built += counts[0]
+        self.seconds += counts[1]
+        self.loaded += counts[2]
+
+    def totals(self):
+        return self.built, self.seconds, self.loaded
+
+
+COMPILES = CompileCount()
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("device") == "cuda":
+        import triton
+        triton.knobs.compilation.listener = COMPILES.listen
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: hand the counts to the controller
+        session.config.workeroutput["triton_compiles"] = COMPILES.totals()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    COMPILES.add(getattr(node, "workeroutput", {}).get("triton_compiles", (0, 0.0, 0)))
+
+
 def pytest_terminal_summary(terminalreporter):
-    """How many tests skipped, and why: CI's log shows what the CPU could not check."""
+    """On a GPU, what compilation cost; how many tests skipped, and why: CI's log shows what
+    the CPU could not check."""
+    built, seconds, loaded = COMPILES.totals()
+    if built or loaded:
+        terminalreporter.write_line(f"Triton compiled {built} kernel variants in {seconds:.0f} s "
+                                    f"(summed over workers); {loaded} loaded from its cache")
     reasons = {}
     for report in terminalreporter.stats.get("skipped", []):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)

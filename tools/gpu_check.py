@@ -1,20 +1,26 @@
 """Run the CUDA test suite on a GPU machine, one test file at a time, saving as it goes.
 
-    python tools/gpu_check.py [--part K/N] [--files a.py,b.py] [--workers W] [--out DIR]
-    python tools/gpu_check.py --sanitize [--out DIR]
+    python tools/gpu_check.py [--part K/N] [--files a.py,b.py] [--workers W] [--sanitize] [--out DIR]
+    python tools/gpu_check.py --sanitize --files none
 
-Each test file runs in its own pytest (`--device cuda`, W xdist workers) under a time limit;
-after each one the tool appends to DIR (default ./gpu-check-out):
+Each test file runs in its own pytest (`--device cuda`, W xdist workers, each taking a
+contiguous share of the tests so that neighbouring tests, which build the same kernel
+variants, compile them once) under a time limit; after each one the tool appends to DIR
+(default ./gpu-check-out):
   failures.txt  one line per failed test: its id and the first line of its error
-  summary.txt   one line per file: passed / failed / errors / skipped counts and seconds
+  summary.txt   one line per file: passed / failed / errors / skipped counts, seconds, and
+                the kernel variants Triton compiled (and their seconds, summed over workers)
   junit.tar     the file's junit XML, appended to one archive
 so that a run cut off midway still leaves what finished. `--part K/N` takes the K-th of N
 parts of the files, balanced by their measured cost, so the suite fits in several calls;
 the last part ends with the tests marked `large` (GBs of GPU memory each), one at a time.
+`--budget` seconds bound the whole run: each stage gets what is left, so the last stage's
+counts are written before a caller's own limit strikes.
 
---sanitize instead runs `python -m pintail.bench --check` (every op's kernels, forward and
+--sanitize then runs `python -m pintail.bench --check` (every op's kernels, forward and
 backward, at ragged sizes) under `compute-sanitizer --tool memcheck`, its report in
-DIR/sanitizer.txt; it exits non-zero on any error.
+DIR/sanitizer.txt; the tool exits non-zero on any error it reports (`--files none`: the
+sanitizer alone).
 
 On a machine without pytest (a bare GPU image), carry its wheels in ./device-wheels and the
 tool installs them into /tmp/pintail-site first. To fetch them (Python 3.12, x86-64):
@@ -39,7 +45,7 @@ SITE = Path("/tmp/pintail-site")
 
 # Rough relative cost of each file on a GPU (kernels compiled, tests run); unlisted: 60.
 COST = {
-    "test_norm.py": 240, "test_cross_entropy.py": 150, "test_softmax.py": 120,
+    "test_norm.py": 700, "test_softmax.py": 300, "test_cross_entropy.py": 150,
     "test_compile.py": 120, "test_linear_cross_entropy.py": 90, "test_rotary.py": 60,
     "test_transformers.py": 60,
 }
@@ -54,8 +60,9 @@ def parse_args():
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="pytest-xdist workers a file (default: the cores, at most 16)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds a file may take")
+    parser.add_argument("--budget", type=int, default=570, help="seconds the whole run may take")
     parser.add_argument("--out", default=str(ROOT / "gpu-check-out"), help="folder for the results")
-    parser.add_argument("--sanitize", action="store_true", help="the kernel check under compute-sanitizer")
+    parser.add_argument("--sanitize", action="store_true", help="then the kernel check under compute-sanitizer")
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     return parser.parse_args()
 
@@ -74,6 +81,8 @@ def install_wheels(env):
 
 
 def choose_files(args):
+    if args.files == "none":
+        return []
     files = [name for name in args.files.split(",") if name] or \
         sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
     part, parts = (int(number) for number in args.part.split("/"))
@@ -90,7 +99,8 @@ def first_line(element):
     return text.splitlines()[0][:300] if text else "(no message)"
 
 
-def record(out, name, xml_path, seconds, returncode):
+def record(out, name, xml_path, seconds, returncode, compiled, progress):
+    """Append the stage's counts and failures; 1 if anything failed, else 0."""
     counts = dict(passed=0, failed=0, errors=0, skipped=0)
     failures = []
     if xml_path.exists():
@@ -109,56 +119,80 @@ def record(out, name, xml_path, seconds, returncode):
             archive.add(xml_path, arcname=xml_path.name)
     else:
         failures.append(f"tests/{name}: no junit XML (pytest exit {returncode}: timed out or crashed)")
+        for mark, kind in ((".", "passed"), ("F", "failed"), ("E", "errors"), ("s", "skipped")):
+            counts[kind] = progress.count(mark)  # what pytest's progress line showed before the end
     with open(out / "failures.txt", "a") as stream:
         stream.writelines(line + "\n" for line in failures)
     line = (f"{name:32s} passed {counts['passed']:5d}  failed {counts['failed']:4d}  errors "
-            f"{counts['errors']:4d}  skipped {counts['skipped']:4d}  {seconds:6.0f} s  exit {returncode}")
+            f"{counts['errors']:4d}  skipped {counts['skipped']:4d}  {seconds:6.0f} s  exit {returncode}"
+            f"{'  ' + compiled if compiled else ''}")
     with open(out / "summary.txt", "a") as stream:
         stream.write(line + "\n")
     print(line, flush=True)
+    return int(bool(failures))
 
 
-def sanitize(out):
+def sanitize(out, seconds):
     command = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "50",
                "--log-file", str(out / "sanitizer.txt"), sys.executable, "-m", "pintail.bench", "--check"]
+    start = time.time()
     with open(out / "log.txt", "a") as log:
-        returncode = subprocess.run(command, cwd=ROOT, stdout=log, stderr=log).returncode
-    print(f"compute-sanitizer memcheck over the kernel check: exit {returncode} "
-          f"(0: no error and every check passed; 3: memcheck found errors)", flush=True)
-    return returncode
+        log.write("\n==== compute-sanitizer memcheck: python -m pintail.bench --check\n")
+        log.flush()
+        returncode = run_group(command, log, seconds)
+    line = (f"{'sanitizer (memcheck)':32s} exit {returncode} (0: no error, every check passed; 3: memcheck "
+            f"found errors)  {time.time() - start:6.0f} s")
+    with open(out / "summary.txt", "a") as stream:
+        stream.write(line + "\n")
+    print(line, flush=True)
+    return 0 if returncode == 0 else 1
+
+
+def run_group(command, log, seconds, env=None):
+    """Run command (and whatever it starts) for at most `seconds`; its exit code or "timeout"."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        return process.wait(timeout=max(seconds, 1))
+    except subprocess.TimeoutExpired:  # the xdist workers too: the whole group
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return "timeout"
 
 
 def main():
     args = parse_args()
+    deadline = time.time() + args.budget
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.sanitize:
-        return sanitize(out)
-    env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1"))
+    # inductor's compile pool would start a process a core in each of the xdist workers
+    env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1"))
     scratch = Path("/tmp/pintail-junit")
     scratch.mkdir(exist_ok=True)
-    stages = [(name, [f"tests/{name}", "-m", "not large", "-n", str(args.workers)])
+    stages = [(name, [f"tests/{name}", "-m", "not large", "-n", str(args.workers), "--dist", "worksteal"])
               for name in choose_files(args)]
     if args.part.split("/")[0] == args.part.split("/")[1] and not args.files:
         stages.append(("large", ["tests", "-m", "large", "-p", "no:xdist"]))  # GBs each: one at a time
+    status = 0
     for name, selection in stages:
         xml_path = scratch / f"{name.removesuffix('.py')}.xml"
         xml_path.unlink(missing_ok=True)
+        output = scratch / f"{name.removesuffix('.py')}.log"
         command = [sys.executable, "-m", "pytest", *selection, "--device", "cuda", "-o", "addopts=",
                    "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}", *args.pytest_args]
         start = time.time()
+        with open(output, "w") as log:
+            returncode = run_group(command, log, min(args.timeout, deadline - start), env)
+        text = output.read_text(errors="replace")
         with open(out / "log.txt", "a") as log:
-            log.write(f"\n==== {name}\n")
-            log.flush()
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log,
-                                       start_new_session=True)
-            try:
-                returncode = process.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:  # the xdist workers too: the whole group
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                returncode = "timeout"
-        record(out, name, xml_path, time.time() - start, returncode)
+            log.write(f"\n==== {name}\n{text}")
+        compiled = [line for line in text.splitlines() if line.startswith("Triton compiled")]
+        progress = "".join(line.split(" [")[0] for line in text.splitlines() if set(line.split(" [")[0]) <= set(".sFExX")
+                           and line.strip())
+        status |= record(out, name, xml_path, time.time() - start, returncode, compiled[-1] if compiled else "",
+                         progress)
+    if args.sanitize:
+        status |= sanitize(out, deadline - time.time())
+    return status
 
 
 if __name__ == "__main__":
