@@ -9,6 +9,7 @@
 
 import os
 import random
+import tempfile
 import zlib
 
 import numpy as np
@@ -30,6 +31,10 @@ def reference_path(config) -> bool:
 
 
 def pytest_configure(config):
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability:  # inductor's CPU code cached under one capability ran wrong under another (torch 2.13)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), f"torchinductor-{capability}"))
     config.addinivalue_line("markers", "uses_reference: the test expects the torch reference path")
     config.addinivalue_line("markers", "kernels_only: the test is about the kernels (plans, launches); "
                                        "skipped on the reference path")

@@ -235,28 +235,34 @@ def _rotary_forward(original):
     return forward
 
 
-class _HeadInput:
-    """The output head's forward while `active`: it keeps its input (the last hidden state)
-    and returns an empty view of it in place of the logits; the head's own forward otherwise."""
+class _HeadLoss:
+    """The output head's forward. While `labels` is set, it returns the fused loss of its input
+    (the last hidden state) in place of the logits: computed inside the head's own call, so
+    that what wraps that call (FSDP's gathering of a sharded weight before the forward and the
+    backward, and its reduction of the gradient after) sees the loss as the head's output."""
 
-    def __init__(self, head):
-        self.head_forward, self.active, self.hidden = head.forward, False, None
+    def __init__(self, head, softcap):
+        self.head, self.head_forward, self.softcap = head, head.forward, softcap
+        self.labels, self.reduction, self.loss = None, "mean", None
 
     def __call__(self, hidden):
-        if not self.active:
+        if self.labels is None:
             return self.head_forward(hidden)
-        self.hidden = hidden
-        return hidden[..., :0]
+        self.loss = linear_cross_entropy(hidden, self.head.weight, self.labels.to(hidden.device),
+                                         linear_bias=self.head.bias, reduction=self.reduction, softcap=self.softcap,
+                                         out_dtype=torch.float32)
+        return self.loss
 
 
 def _fused_loss_forward(model, original, head, softcap):
     """The model's forward where, with labels and gradients on, the loss comes from
-    pintail.linear_cross_entropy on the last hidden state: the head's logits are never made
-    (the output's logits are None). Without labels, or without gradients (evaluation, which
-    wants logits), the model's own forward runs, its loss on pintail.cross_entropy."""
+    pintail.linear_cross_entropy on the last hidden state, inside the head's call: the logits
+    are never made (the output's logits are None). Without labels, or without gradients
+    (evaluation, which wants logits), the model's own forward runs, its loss on
+    pintail.cross_entropy."""
     signature = inspect.signature(original)
-    head_input = _HeadInput(head)
-    head.forward = head_input
+    head_loss = _HeadLoss(head, softcap)
+    head.forward = head_loss
 
     def forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -265,19 +271,16 @@ def _fused_loss_forward(model, original, head, softcap):
             return original(*args, **kwargs)
         extra = dict(bound.arguments.get("kwargs", {}))
         bound.arguments["labels"] = None
-        head_input.active, head_input.hidden = True, None
+        num_items = extra.get("num_items_in_batch")
+        head_loss.labels = _shifted(labels, extra.get("shift_labels"), -100)
+        head_loss.reduction = "sum" if num_items is not None else "mean"
         try:
             output = original(*bound.args, **bound.kwargs)
         finally:
-            head_input.active = False
-        hidden, head_input.hidden = head_input.hidden, None
-        if hidden is None:
+            head_loss.labels = None
+        loss, head_loss.loss = head_loss.loss, None
+        if loss is None:
             raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward did not call its output head")
-        shift_labels = _shifted(labels, extra.get("shift_labels"), -100)
-        num_items = extra.get("num_items_in_batch")
-        loss = linear_cross_entropy(hidden, head.weight, shift_labels.to(hidden.device), linear_bias=head.bias,
-                                    reduction="sum" if num_items is not None else "mean", softcap=softcap,
-                                    out_dtype=torch.float32)
         loss = _per_item(loss, num_items)
         if isinstance(output, tuple):
             return (loss, None, *output[1:])
@@ -286,6 +289,12 @@ def _fused_loss_forward(model, original, head, softcap):
         return output
 
     return forward
+
+
+def _own_class(module, names, by="__name__"):
+    """The class of `module` named in `names`, also under a wrapper's subclass of it (FSDP2's
+    fully_shard makes a LlamaDecoderLayer an FSDPLlamaDecoderLayer); None if none is."""
+    return next((cls for cls in type(module).__mro__ if getattr(cls, by) in names), None)
 
 
 def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True):
@@ -309,7 +318,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
     Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
     does not find, raises before anything is changed. Patching twice changes nothing more.
     """
-    name = type(model).__name__
+    name = (_own_class(model, FAMILIES) or type(model)).__name__
     family = FAMILIES.get(name)
     if family is None:
         raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
@@ -319,19 +328,19 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
     modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
     changes = []
     if "norms" in wanted:
-        found = [m for m in model.modules() if type(m).__name__ in family.norms]
+        found = [m for m in model.modules() if _own_class(m, family.norms)]
         if not found:
             raise RuntimeError(f"pintail.patch: {name} has no module of {sorted(family.norms)} to patch")
         for m in found:
-            forward = types.MethodType(NORM_FORWARDS[family.norms[type(m).__name__]], m)
+            forward = types.MethodType(NORM_FORWARDS[family.norms[_own_class(m, family.norms).__name__]], m)
             changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
     if "residual" in wanted and family.layer is not None:
         layer_class, form = family.layer
-        found = [m for m in model.modules() if type(m).__name__ == layer_class]
+        found = [m for m in model.modules() if _own_class(m, (layer_class,))]
         if not found:
             raise RuntimeError(f"pintail.patch: {name} has no {layer_class} module to patch")
-        if _layer_form_matches(type(found[0]), form):
-            layer_forward = _layer_forward(type(found[0]), form)
+        if _layer_form_matches(_own_class(found[0], (layer_class,)), form):
+            layer_forward = _layer_forward(_own_class(found[0], (layer_class,)), form)
             for m in found:
                 changes.append(lambda m=m, f=layer_forward: setattr(m, "forward", types.MethodType(f, m)))
         else:
@@ -339,7 +348,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
                           f"its residual adds stay on torch", stacklevel=2)
     if "mlp" in wanted and family.mlp is not None:
         mlp_class, form = family.mlp
-        found = [m for m in model.modules() if type(m).__name__ == mlp_class]
+        found = [m for m in model.modules() if _own_class(m, (mlp_class,))]
         if not found:
             raise RuntimeError(f"pintail.patch: {name} has no {mlp_class} module to patch")
         config = getattr(model.config, "get_text_config", lambda: model.config)()
@@ -365,7 +374,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
         original = getattr(modeling, "apply_rotary_pos_emb", None)
         if not callable(original):
             raise RuntimeError(f"pintail.patch: {name}: {modeling.__name__} has no apply_rotary_pos_emb to patch")
-        attention = [m for m in model.modules() if type(m).__module__ == modeling.__name__
+        attention = [m for m in model.modules() if _own_class(m, (modeling.__name__,), "__module__")
                      and "apply_rotary_pos_emb" in inspect.getsource(type(m).forward)]
         if not attention:
             raise RuntimeError(f"pintail.patch: {name} has no module whose forward calls apply_rotary_pos_emb")
