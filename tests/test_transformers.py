@@ -201,27 +201,32 @@ def test_loud_failures_and_repeat(device, monkeypatch):
     assert model.forward is once
 
 
-@pytest.mark.parametrize("mode", ["gradient_checkpointing", "compile"])
-def test_checkpointing_and_compile(mode, device):
-    """Gradient checkpointing and torch.compile(model) (aot_eager: the traced graphs) keep
-    the patched model's loss and gradients."""
+@pytest.mark.parametrize("mode", ["checkpointing", "reentrant checkpointing", "compile"])
+def test_checkpointing_and_compile(mode, device, on_reference, monkeypatch):
+    """Gradient checkpointing (non-reentrant and reentrant: the fused residual and norm
+    layers recomputed) and torch.compile(model) (aot_eager: the traced graphs) keep the
+    patched model's loss and gradients."""
     torch.manual_seed(5)
     model = tiny_model("llama").to(device)
     patched = pintail.patch(copy.deepcopy(model))
     ids, labels = batch(device)
     expected, expected_grads = loss_and_grads(model, ids, labels)
-    if mode == "gradient_checkpointing":
+    if mode.endswith("checkpointing"):
         patched.train()
-        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        reentrant = mode.startswith("reentrant")
+        patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         run = patched
     else:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         run = torch.compile(patched, backend="aot_eager")
     patched.zero_grad()
+    launched = record_launches(monkeypatch)
     got = run(input_ids=ids, labels=labels)
     got.loss.backward()
-    if mode == "compile":  # pintail's ops trace: no graph break (transformers' own code makes none here)
+    if mode.endswith("checkpointing") and not on_reference:  # each layer's fused norms ran again in the backward
+        forwards = [name for op, name in launched if op == "norm" and "forward" in name]
+        assert len(forwards) == 2 * 2 * 2 + 1, forwards  # 2 layers x 2 norms, twice; the final norm once  # pintail's ops trace: no graph break (transformers' own code makes none here)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
     for name, p in patched.named_parameters():

@@ -175,6 +175,20 @@ def _layer_forward(layer_class, form):
     return forward
 
 
+_FUSED_LAYER_CLASSES = {}
+
+
+def _fused_layer_class(cls, forward):
+    """A subclass of the decoder layer's class (same name) whose forward is the fused one: it
+    goes where the class's own forward went, so transformers' gradient checkpointing, which
+    wraps the forward of each subclass of GradientCheckpointingLayer, recomputes it (a forward
+    set on the instance would run outside that wrapper, never checkpointed)."""
+    if cls not in _FUSED_LAYER_CLASSES:
+        _FUSED_LAYER_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                                "__qualname__": cls.__qualname__})
+    return _FUSED_LAYER_CLASSES[cls]
+
+
 # How many forwards of attention modules patched for rotary are running (a recomputation by
 # gradient checkpointing too): the family's apply_rotary_pos_emb runs pintail's kernel only
 # inside them, torch's elsewhere (an unpatched model of the same family in the process).
@@ -342,7 +356,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
         if _layer_form_matches(_own_class(found[0], (layer_class,)), form):
             layer_forward = _layer_forward(_own_class(found[0], (layer_class,)), form)
             for m in found:
-                changes.append(lambda m=m, f=layer_forward: setattr(m, "forward", types.MethodType(f, m)))
+                changes.append(lambda m=m, f=layer_forward: setattr(m, "__class__", _fused_layer_class(type(m), f)))
         else:
             warnings.warn(f"pintail.patch: {name}'s {layer_class}.forward is not the form pintail fuses ({form}); "
                           f"its residual adds stay on torch", stacklevel=2)
