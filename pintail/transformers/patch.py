@@ -1,6 +1,7 @@
 """pintail.patch: pintail's kernels in a Hugging Face causal language model, in place."""
 
 import ast
+import functools
 import importlib
 import inspect
 import textwrap
@@ -278,6 +279,7 @@ def _fused_loss_forward(model, original, head, softcap):
     head_loss = _HeadLoss(head, softcap)
     head.forward = head_loss
 
+    @functools.wraps(original)  # its signature too: the Trainer keeps the dataset columns the forward names
     def forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         labels = bound.arguments.get("labels")
