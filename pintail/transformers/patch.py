@@ -1,7 +1,6 @@
 """pintail.patch: pintail's kernels in a Hugging Face causal language model, in place."""
 
 import ast
-import functools
 import importlib
 import inspect
 import textwrap
@@ -10,13 +9,11 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..cross_entropy import cross_entropy
 from ..gated import geglu, swiglu
-from ..linear_cross_entropy import linear_cross_entropy
 from ..norm import layer_norm, rms_norm
 from ..rotary import apply_rotary
+from .loss import base_linear, causal_lm_loss, fused_loss_forward
 
 
 @dataclass(frozen=True)
@@ -211,33 +208,6 @@ def _scoped_rotary(original):
     return apply_rotary_pos_emb
 
 
-def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                   **kwargs):
-    """transformers' ForCausalLMLoss on pintail.cross_entropy: labels shifted left by one, a
-    mean over the kept tokens, or a sum divided by num_items_in_batch (gradient
-    accumulation); float32 from 16-bit logits without their float32 copy; the logits are
-    never written to."""
-    shift_labels = _shifted(labels, shift_labels, ignore_index)
-    reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
-                         ignore_index=ignore_index, reduction=reduction, out_dtype=torch.float32)
-    return _per_item(loss, num_items_in_batch)
-
-
-def _shifted(labels, shift_labels, ignore_index):
-    if shift_labels is not None:
-        return shift_labels
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-
-
-def _per_item(loss, num_items_in_batch):
-    if num_items_in_batch is None:
-        return loss
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
-
-
 def _rotary_forward(original):
     """An attention module's forward with pintail's rotary kernel on while it runs."""
     def forward(*args, **kwargs):
@@ -246,63 +216,6 @@ def _rotary_forward(original):
             return original(*args, **kwargs)
         finally:
             _ROTARY_CALLS[0] -= 1
-
-    return forward
-
-
-class _HeadLoss:
-    """The output head's forward. While `labels` is set, it returns the fused loss of its input
-    (the last hidden state) in place of the logits: computed inside the head's own call, so
-    that what wraps that call (FSDP's gathering of a sharded weight before the forward and the
-    backward, and its reduction of the gradient after) sees the loss as the head's output."""
-
-    def __init__(self, head, softcap):
-        self.head, self.head_forward, self.softcap = head, head.forward, softcap
-        self.labels, self.reduction, self.loss = None, "mean", None
-
-    def __call__(self, hidden):
-        if self.labels is None:
-            return self.head_forward(hidden)
-        self.loss = linear_cross_entropy(hidden, self.head.weight, self.labels.to(hidden.device),
-                                         linear_bias=self.head.bias, reduction=self.reduction, softcap=self.softcap,
-                                         out_dtype=torch.float32)
-        return self.loss
-
-
-def _fused_loss_forward(model, original, head, softcap):
-    """The model's forward where, with labels and gradients on, the loss comes from
-    pintail.linear_cross_entropy on the last hidden state, inside the head's call: the logits
-    are never made (the output's logits are None). Without labels, or without gradients
-    (evaluation, which wants logits), the model's own forward runs, its loss on
-    pintail.cross_entropy."""
-    signature = inspect.signature(original)
-    head_loss = _HeadLoss(head, softcap)
-    head.forward = head_loss
-
-    @functools.wraps(original)  # its signature too: the Trainer keeps the dataset columns the forward names
-    def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        labels = bound.arguments.get("labels")
-        if labels is None or not torch.is_grad_enabled() or bound.arguments.get("logits_to_keep", 0) not in (0, None):
-            return original(*args, **kwargs)
-        extra = dict(bound.arguments.get("kwargs", {}))
-        bound.arguments["labels"] = None
-        num_items = extra.get("num_items_in_batch")
-        head_loss.labels = _shifted(labels, extra.get("shift_labels"), -100)
-        head_loss.reduction = "sum" if num_items is not None else "mean"
-        try:
-            output = original(*bound.args, **bound.kwargs)
-        finally:
-            head_loss.labels = None
-        loss, head_loss.loss = head_loss.loss, None
-        if loss is None:
-            raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward did not call its output head")
-        loss = _per_item(loss, num_items)
-        if isinstance(output, tuple):
-            return (loss, None, *output[1:])
-        output["loss"] = loss
-        output["logits"] = None
-        return output
 
     return forward
 
@@ -329,11 +242,17 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
       geglu (a forward swap); an activation pintail does not have is left to torch, with a
       warning that names it.
     - residual (with norms): in each decoder layer the residual add that feeds a norm runs in
-      that norm's kernel, forward and backward (a forward swap of the layer); a layer whose
-      forward differs from the form pintail rewrites stays as it is, with a warning.
+      that norm's kernel, forward and backward (the layer becomes a subclass of its class, of
+      the same name, whose forward fuses them); a layer whose forward differs from the form
+      pintail rewrites stays as it is, with a warning.
+    The model may be wrapped: FSDP2's fully_shard, DDP's module, a PEFT model (its base model is
+    patched; an output head with LoRA adapters or in modules_to_save keeps its fused loss).
     Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
     does not find, raises before anything is changed. Patching twice changes nothing more.
     """
+    if _own_class(model, FAMILIES) is None and callable(getattr(model, "get_base_model", None)):
+        patch(model.get_base_model(), norms=norms, rotary=rotary, loss=loss, mlp=mlp, residual=residual)
+        return model  # a PEFT model: its transformers model patched
     name = (_own_class(model, FAMILIES) or type(model)).__name__
     family = FAMILIES.get(name)
     if family is None:
@@ -379,12 +298,13 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
                           f"{mlp_class} modules stay on torch", stacklevel=2)
     if "loss" in wanted:
         head = model.get_output_embeddings()
-        if not isinstance(head, torch.nn.Linear):
-            raise RuntimeError(f"pintail.patch: {name}'s output head is {type(head).__name__}, expected nn.Linear")
+        if base_linear(head) is None:
+            raise RuntimeError(f"pintail.patch: {name}'s output head is {type(head).__name__}, expected nn.Linear "
+                               f"(or one that PEFT adapted)")
         if "labels" not in inspect.signature(model.forward).parameters:
             raise RuntimeError(f"pintail.patch: {name}.forward takes no labels")
         softcap = getattr(model.config, "final_logit_softcapping", None)
-        changes.append(lambda: setattr(model, "forward", _fused_loss_forward(model, model.forward, head, softcap)))
+        changes.append(lambda: setattr(model, "forward", fused_loss_forward(model, model.forward, softcap)))
         changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
     if "rotary" in wanted and family.rotary:
         original = getattr(modeling, "apply_rotary_pos_emb", None)
