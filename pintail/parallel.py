@@ -23,8 +23,9 @@ _SLICES = {}
 
 
 def all_reduce(tensor, op, group):
-    """A functional all-reduce ("sum" or "max") over the group: traced by torch.compile."""
-    return funcol.all_reduce(tensor, op, group)
+    """A functional all-reduce ("sum" or "max") over the group: traced by torch.compile. Its
+    result waited for: eager mode's is a wrapper subclass that a kernel launch cannot read."""
+    return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
 
 
 def vocabulary_slice(group, local_classes: int, name: str) -> tuple[int, int]:
@@ -95,13 +96,13 @@ def combine(state, local_mass, target, weight, num_classes, group, ignore_index,
     """(row losses, (max, log-sum) of every row) over the whole vocabulary, on every rank,
     from each rank's state and the sum of its classes' smoothing weights (local_mass)."""
     row_max = state[:, 0]
-    global_max = funcol.all_reduce(row_max, "max", group)
+    global_max = all_reduce(row_max, "max", group)
     shift = torch.where(global_max == -float("inf"), 0.0, global_max)
     finite = torch.where(row_max == -float("inf"), shift, row_max)
     about_own_max = state[:, 3] - local_mass * (finite - state[:, 2])  # sum_j v_j (x_j - own max)
     packed = torch.stack([state[:, 1] * torch.exp(row_max - shift), state[:, 4],
                           about_own_max + local_mass * (finite - shift)], 1)
-    total, target_logit, about_max = funcol.all_reduce(packed, "sum", group).unbind(1)
+    total, target_logit, about_max = all_reduce(packed, "sum", group).unbind(1)
     log_sum = torch.log(total)
     lse = shift + log_sum
     ignored = target == ignore_index
@@ -222,7 +223,7 @@ class _ParallelHead(torch.autograd.Function):
                                        smoothing, z_scale, softcap, z_ratio, ctx.columns, need[0], need[1],
                                        need[2] and linear_bias is not None, *ctx.slice)
         if need[0]:
-            dx = funcol.all_reduce(dx, "sum", ctx.group)  # x feeds every rank's slice
+            dx = all_reduce(dx, "sum", ctx.group)  # x feeds every rank's slice
         return (dx if need[0] else None, dW if need[1] else None, db if need[2] and linear_bias is not None else None,
                 None, None, None, None, None, None, None)
 

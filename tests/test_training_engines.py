@@ -1,7 +1,8 @@
 """The patched model inside PyTorch's training engines, two gloo ranks on this machine:
 FSDP2 (`fully_shard`) with every wrapping a user or torchtitan makes (the output head and
 the embedding as units of their own included), with mixed precision and with LoRA adapters
-on the head and attention (PEFT), and DDP. Each rank
+on the head and attention (PEFT); DDP; and a tensor-parallel head (the vocabulary split
+over the ranks). Under FSDP2 and DDP each rank
 trains on its own shard of the batch; the loss and every gradient match the unpatched
 model's in one process (the mean of the shards' gradients, which both engines produce)."""
 
@@ -129,6 +130,29 @@ if importlib.util.find_spec("peft"):  # LoRA on q_proj and the head, the head it
     CASES += [("fsdp", "layers+head", False, False, True, True), ("fsdp", "layers+head", False, True, False, True)]
 
 
+def check_tensor_parallel_head(rank):
+    """The head split over the vocabulary (ColwiseParallel, its logits' layout Shard(-1)) as in
+    the loss_parallel recipe: the fused loss takes this rank's rows and the mesh's group, and
+    every rank gets the one-process loss and gradients on the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    reference = tiny_llama(False, False)
+    model = pintail.patch(copy.deepcopy(reference))
+    ids, labels = (t[0] for t in shards())
+    expected = reference(input_ids=ids, labels=labels).loss
+    expected.backward()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    with loss_parallel():
+        output = model(input_ids=ids, labels=labels)
+        output.loss.backward()
+    assert output.logits is None and model.lm_head.weight.to_local().shape[0] == VOCAB // WORLD
+    assert torch.allclose(output.loss, expected, rtol=1e-5), (output.loss, expected)
+    for (name, p), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(full(p.grad), want.grad, rtol=1e-4, atol=1e-6), name
+
+
 def _worker(rank, store_path, kernels):
     if kernels:
         _refuse_reference()
@@ -137,10 +161,11 @@ def _worker(rank, store_path, kernels):
     try:
         for case in CASES:
             check_rank(rank, *case)
+        check_tensor_parallel_head(rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_and_ddp_match_one_process(tmp_path, on_reference, device):
+def test_fsdp2_ddp_and_tensor_parallel_head_match_one_process(tmp_path, on_reference, device):
     _cpu_ranks(device)
     mp.spawn(_worker, args=(str(tmp_path / "store"), not on_reference), nprocs=WORLD, join=True)
