@@ -2,7 +2,8 @@
 FSDP2 (`fully_shard`) with every wrapping a user or torchtitan makes (the output head and
 the embedding as units of their own included), with mixed precision and with LoRA adapters
 on the head and attention (PEFT); DDP; and a tensor-parallel head (the vocabulary split
-over the ranks). Under FSDP2 and DDP each rank
+over the ranks), norms, softmax and the gated activation on DTensor activations (sequence
+parallelism). Under FSDP2 and DDP each rank
 trains on its own shard of the batch; the loss and every gradient match the unpatched
 model's in one process (the mean of the shards' gradients, which both engines produce)."""
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 import pintail
 from conftest import round_bf16_as_the_gpu
@@ -153,6 +155,43 @@ def check_tensor_parallel_head(rank):
         assert torch.allclose(full(p.grad), want.grad, rtol=1e-4, atol=1e-6), name
 
 
+def check_dtensor_activations(rank):
+    """Sequence parallelism's activations, DTensors split over the sequence: the norms, softmax
+    and the gated activation run on each rank's rows (a replicated weight's gradient summed over
+    the ranks, as DTensor's own ops give it); a layout that splits rows, and the ops that take
+    no DTensor, raise errors that name the layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (WORLD,))
+    generator = torch.Generator().manual_seed(3)
+    x, r, g = (torch.randn(2, 6, 16, generator=generator) for _ in range(3))
+    w = torch.randn(16, generator=generator)
+    upstream = torch.randn(2, 6, 16, generator=generator)
+    whole = [t.clone().requires_grad_() for t in (x, r, w)]
+    split = [distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (x, r)] + \
+        [distribute_tensor(w, mesh, [Replicate()]).requires_grad_()]
+    for ours_of, torch_of in [
+        (lambda x, r, w: pintail.rms_norm(x, (16,), w, residual=r)[0], lambda x, r, w: F.rms_norm(x + r, (16,), w)),
+        (lambda x, r, w: pintail.layer_norm(x, (16,), w), lambda x, r, w: F.layer_norm(x, (16,), w)),
+        (lambda x, r, w: pintail.softmax(x * w, -1), lambda x, r, w: torch.softmax(x * w, -1)),
+        (lambda x, r, w: pintail.swiglu(x, r), lambda x, r, w: F.silu(x) * r),
+    ]:
+        ours = ours_of(*split)
+        assert tuple(ours.placements) == (Shard(1),)
+        want = torch_of(*whole)
+        assert torch.allclose(ours.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        got_grads = torch.autograd.grad(ours, split, distribute_tensor(upstream, mesh, [Shard(1)]), allow_unused=True)
+        want_grads = torch.autograd.grad(want, whole, upstream, allow_unused=True)
+        for got, expected in zip(got_grads, want_grads):
+            assert (got is None) == (expected is None)
+            if got is not None:
+                assert torch.allclose(got.full_tensor(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"Shard\(dim=2\).*splits its rows"):
+        pintail.rms_norm(distribute_tensor(x, mesh, [Shard(2)]), (16,))
+    with pytest.raises(TypeError, match="pintail.rotary: x is a DTensor placed"):
+        pintail.rotary(split[0].unsqueeze(2), torch.ones(6, 16), torch.zeros(6, 16))
+
+
 def _worker(rank, store_path, kernels):
     if kernels:
         _refuse_reference()
@@ -162,10 +201,11 @@ def _worker(rank, store_path, kernels):
         for case in CASES:
             check_rank(rank, *case)
         check_tensor_parallel_head(rank)
+        check_dtensor_activations(rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_ddp_and_tensor_parallel_head_match_one_process(tmp_path, on_reference, device):
+def test_fsdp2_ddp_and_tensor_parallelism_match_one_process(tmp_path, on_reference, device):
     _cpu_ranks(device)
     mp.spawn(_worker, args=(str(tmp_path / "store"), not on_reference), nprocs=WORLD, join=True)

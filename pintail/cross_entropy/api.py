@@ -3,6 +3,7 @@
 import torch
 
 from .. import parallel, reference
+from .._core.dtensor import refuse_dtensors
 from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, runs_kernels
 from .._loss import plans as loss_plans
 from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_loss_options, check_target_values,
@@ -368,6 +369,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     Rows of (N, C, d1, ...) inputs are gathered into an (N*d1*..., C) copy (classes are not
     contiguous there); (C) and (N, C) inputs with unit class stride are used in place.
     """
+    refuse_dtensors("pintail.cross_entropy", input=input, target=target, weight=weight)
     if process_group is not None:
         return _parallel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
                                       softcap, return_z_loss, return_lse, check_target, out_dtype, process_group)

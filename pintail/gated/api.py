@@ -3,6 +3,7 @@
 import torch
 
 from .. import reference
+from .._core.dtensor import is_dtensor, local_rows
 from .._core.launch import KERNEL_DTYPES, as_rows, cdiv, launch, no_second_derivative, row_alignment, runs_kernels
 from . import plans
 from .kernels import GELU_ERF, GELU_TANH, SILU, _gated_backward_kernel, _gated_forward_kernel
@@ -123,6 +124,9 @@ def _check(name, gate, up):
 
 
 def _gated(name, gate, up, activation):
+    if is_dtensor(gate) or is_dtensor(up):  # elementwise: any layout but partial sums (gate and up: the last dim whole)
+        return local_rows(name, lambda g, u: _gated(name, g, u, activation), gate, [-1] if up is None else [],
+                          [("up", up)])
     _check(name, gate, up)
     shape = gate.shape if up is not None else (*gate.shape[:-1], gate.shape[-1] // 2)
     return _forward_op(gate, up, activation).reshape(shape)

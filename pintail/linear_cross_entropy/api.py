@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import parallel
+from .._core.dtensor import refuse_dtensors
 from .._core.launch import no_second_derivative
 from .._loss import chunks
 from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_head, check_loss_options,
@@ -239,6 +240,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     Gradients are computed only for the tensors that require them (a frozen head costs no
     dW GEMM). A second derivative raises.
     """
+    refuse_dtensors("pintail.linear_cross_entropy", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
     ignore_index = -100 if ignore_index is None else ignore_index
     input, linear_weight, linear_bias, head_weight = chunks.autocast_inputs(input, linear_weight, linear_bias)
     split = process_group is not None

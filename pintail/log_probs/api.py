@@ -4,6 +4,7 @@ loop over a head, and the torch.library ops with their autograd."""
 import torch
 
 from .. import parallel, reference
+from .._core.dtensor import refuse_dtensors
 from .._core.launch import as_rows, cdiv, launch, no_second_derivative, row_alignment
 from .._loss import chunks
 from .._loss import plans as loss_plans
@@ -310,6 +311,7 @@ def log_probs(input, target, *, temperature=1.0, softcap=None, ignore_index=-100
     Returns lp (and H) of shape (*), float32 (float64 for float64 input), differentiable in
     input through both.
     """
+    refuse_dtensors("pintail.log_probs", input=input, target=target)
     name = "pintail.log_probs"
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: input must be a tensor, got {type(input).__name__}")
@@ -347,6 +349,7 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
       gradients, dx is summed over the ranks (an all-reduce in the backward).
     Gradients for input, linear_weight and linear_bias, through lp and H.
     """
+    refuse_dtensors("pintail.linear_log_probs", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias)
     name = "pintail.linear_log_probs"
     check_head(name, input, linear_weight, linear_bias)
     check_target(name, target, input.shape[:-1], input.device)

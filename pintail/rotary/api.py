@@ -3,6 +3,7 @@
 import torch
 
 from .. import reference
+from .._core.dtensor import refuse_dtensors
 from .._core.launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, no_second_derivative, runs_kernels, unit_stride
 from . import plans
 from .kernels import _rotary_kernel
@@ -260,6 +261,7 @@ def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bsh
     decreasing: eager raises (position_ids and cu_seqlens are read on the host for that);
     under torch.compile or CUDA-graph capture they are not checked (such tokens come out NaN).
     """
+    refuse_dtensors("pintail.apply_rotary", q=q, k=k, cos=cos, sin=sin)
     return _apply("pintail.apply_rotary", (("q", q), ("k", k)), cos, sin, position_ids, seq_offset, layout,
                   rotary_dim, interleaved, cu_seqlens, inplace)
 
@@ -267,6 +269,7 @@ def apply_rotary(q, k, cos, sin, *, position_ids=None, seq_offset=0, layout="bsh
 def rotary(x, cos, sin, *, position_ids=None, seq_offset=0, layout="bshd", rotary_dim=None, interleaved=False,
            cu_seqlens=None, inplace=False):
     """apply_rotary for a single tensor."""
+    refuse_dtensors("pintail.rotary", x=x, cos=cos, sin=sin)
     return _apply("pintail.rotary", (("x", x),), cos, sin, position_ids, seq_offset, layout, rotary_dim,
                   interleaved, cu_seqlens, inplace)[0]
 

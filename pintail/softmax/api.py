@@ -4,6 +4,7 @@ import torch
 
 from .. import reference
 from .._core import cluster, split
+from .._core.dtensor import is_dtensor, local_rows
 from .._core.launch import (
     KERNEL_DTYPES,
     as_rows,
@@ -259,11 +260,15 @@ def _checked(name, input, dim, dtype):
 
 def softmax(input, dim=-1, dtype=None):
     """torch.nn.functional.softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
+    if is_dtensor(input):  # each rank's rows, where dim is whole on it
+        return local_rows("pintail.softmax", lambda x: softmax(x, dim, dtype), input, [dim])
     input, dim, out_dtype = _checked("softmax", input, dim, dtype)
     return _softmax(input, dim, False, out_dtype)
 
 
 def log_softmax(input, dim=-1, dtype=None):
     """torch.nn.functional.log_softmax(input, dim, dtype=dtype), with Triton kernels on CUDA."""
+    if is_dtensor(input):
+        return local_rows("pintail.log_softmax", lambda x: log_softmax(x, dim, dtype), input, [dim])
     input, dim, out_dtype = _checked("log_softmax", input, dim, dtype)
     return _softmax(input, dim, True, out_dtype)
