@@ -101,6 +101,17 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["triton_compiles"] = COMPILES.totals()
 
 
+def pytest_runtest_logreport(report):
+    """With PINTAIL_FAILURE_LOG set (tools/gpu_check.py sets it), each failure's id and message
+    go to that file as it happens: a run stopped by a time limit keeps them."""
+    path = os.environ.get("PINTAIL_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes once
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = (crash.message if crash else str(report.longrepr)).strip().splitlines()
+        with open(path, "a") as stream:
+            stream.write(f"{report.nodeid} ({report.when}): {message[0][:300] if message else '(no message)'}\n")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     COMPILES.add(getattr(node, "workeroutput", {}).get("triton_compiles", (0, 0.0, 0)))

@@ -99,7 +99,7 @@ def first_line(element):
     return text.splitlines()[0][:300] if text else "(no message)"
 
 
-def record(out, name, xml_path, seconds, returncode, compiled, progress):
+def record(out, name, xml_path, seconds, returncode, compiled, progress, failure_log):
     """Append the stage's counts and failures; 1 if anything failed, else 0."""
     counts = dict(passed=0, failed=0, errors=0, skipped=0)
     failures = []
@@ -118,7 +118,10 @@ def record(out, name, xml_path, seconds, returncode, compiled, progress):
         with tarfile.open(out / "junit.tar", "a") as archive:
             archive.add(xml_path, arcname=xml_path.name)
     else:
-        failures.append(f"tests/{name}: no junit XML (pytest exit {returncode}: timed out or crashed)")
+        failures.append(f"tests/{name}: no junit XML (pytest exit {returncode}: timed out or crashed); "
+                        f"the failures it reported as they happened:")
+        if failure_log.exists():
+            failures.extend(failure_log.read_text(errors="replace").splitlines())
         for mark, kind in ((".", "passed"), ("F", "failed"), ("E", "errors"), ("s", "skipped")):
             counts[kind] = progress.count(mark)  # what pytest's progress line showed before the end
     with open(out / "failures.txt", "a") as stream:
@@ -177,6 +180,9 @@ def main():
         xml_path = scratch / f"{name.removesuffix('.py')}.xml"
         xml_path.unlink(missing_ok=True)
         output = scratch / f"{name.removesuffix('.py')}.log"
+        failure_log = scratch / f"{name.removesuffix('.py')}.failures"
+        failure_log.unlink(missing_ok=True)
+        env["PINTAIL_FAILURE_LOG"] = str(failure_log)
         command = [sys.executable, "-m", "pytest", *selection, "--device", "cuda", "-o", "addopts=",
                    "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}", *args.pytest_args]
         start = time.time()
@@ -189,7 +195,7 @@ def main():
         progress = "".join(line.split(" [")[0] for line in text.splitlines() if set(line.split(" [")[0]) <= set(".sFExX")
                            and line.strip())
         status |= record(out, name, xml_path, time.time() - start, returncode, compiled[-1] if compiled else "",
-                         progress)
+                         progress, failure_log)
     if args.sanitize:
         status |= sanitize(out, deadline - time.time())
     return status
