@@ -7,6 +7,7 @@ tokens per second and peak GPU memory, then a summary table (median step after -
 steps) and (with matplotlib) a plot of the loss curves.
 
     python examples/train_causal_lm.py --model llama --steps 20             # tiny, CPU or GPU
+    python examples/train_causal_lm.py --trainer --accumulate 2 --checkpointing   # through transformers.Trainer
     TRITON_INTERPRET=1 python examples/train_causal_lm.py --steps 5         # kernels on a CPU
     python examples/train_causal_lm.py --model llama --width 1b --batch 8 --seq 2048 --dtype bf16 \
         --steps 25 --warmup 5 --providers torch,compile,pintail,pintail+compile,liger
@@ -89,7 +90,45 @@ def prepared(model, provider):
     return model
 
 
+def train_with_trainer(model, text, args, label):
+    """The same steps through transformers.Trainer (needs accelerate): its AdamW, its loss
+    logging, --accumulate micro-batches a step, --bf16-mixed and --checkpointing as its flags."""
+    import transformers
+
+    class StepClock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            if text.is_cuda:
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            if text.is_cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - self.start)
+
+    seconds = []
+    steps = args.steps * args.accumulate
+    rows = [{"input_ids": ids, "labels": ids} for batch in batches(text.cpu(), args.batch, args.seq, steps, args.seed)
+            for ids in batch]
+    options = transformers.TrainingArguments(
+        f"bench-out/trainer-{label}", per_device_train_batch_size=args.batch, max_steps=args.steps,
+        gradient_accumulation_steps=args.accumulate, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=not text.is_cuda,
+        bf16=args.bf16_mixed, gradient_checkpointing=args.checkpointing, dataloader_num_workers=0, seed=args.seed)
+    trainer = transformers.Trainer(model=model, args=options, train_dataset=rows, callbacks=[StepClock()])
+    if text.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    for step, (value, step_seconds) in enumerate(zip(losses, seconds)):
+        print(f"{label:>15} step {step:3d}: loss {value:.4f}, {args.batch * args.accumulate * args.seq / step_seconds:,.0f}"
+              f" tokens/s (Trainer)", flush=True)
+    return losses, seconds, torch.cuda.max_memory_allocated() / 2**30 if text.is_cuda else None
+
+
 def train(model, text, args, label):
+    if args.trainer:
+        return train_with_trainer(model, text, args, label)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     cuda = text.is_cuda
     if cuda:
@@ -127,6 +166,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--trainer", action="store_true", help="train through transformers.Trainer (needs accelerate)")
+    p.add_argument("--accumulate", type=int, default=1, help="--trainer: micro-batches of gradient accumulation a step")
+    p.add_argument("--bf16-mixed", action="store_true", help="--trainer: its bf16 flag (autocast over float32 weights)")
+    p.add_argument("--checkpointing", action="store_true", help="--trainer: gradient checkpointing")
     p.add_argument("--plot", default="bench-out/train_causal_lm.png",
                    help="loss curves (needs matplotlib; default under bench-out/, which git ignores)")
     args = p.parse_args(argv)
@@ -140,7 +183,7 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.empty_cache()
     warm = slice(min(args.warmup, args.steps - 1), None)  # steps after compilation and warm-up
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * (args.accumulate if args.trainer else 1)
     print(f"\n{args.model} ({args.width}, {args.dtype}), {args.batch} x {args.seq} tokens, {args.steps} steps, "
           f"{args.device}{', ' + torch.cuda.get_device_name() if args.device == 'cuda' else ''}\n")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
