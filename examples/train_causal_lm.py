@@ -121,8 +121,8 @@ def train_with_trainer(model, text, args, label):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     for step, (value, step_seconds) in enumerate(zip(losses, seconds)):
-        print(f"{label:>15} step {step:3d}: loss {value:.4f}, {args.batch * args.accumulate * args.seq / step_seconds:,.0f}"
-              f" tokens/s (Trainer)", flush=True)
+        rate = args.batch * args.accumulate * args.seq / step_seconds
+        print(f"{label:>15} step {step:3d}: loss {value:.4f}, {rate:,.0f} tokens/s (Trainer)", flush=True)
     return losses, seconds, torch.cuda.max_memory_allocated() / 2**30 if text.is_cuda else None
 
 

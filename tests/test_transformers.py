@@ -226,7 +226,8 @@ def test_checkpointing_and_compile(mode, device, on_reference, monkeypatch):
     got.loss.backward()
     if mode.endswith("checkpointing") and not on_reference:  # each layer's fused norms ran again in the backward
         forwards = [name for op, name in launched if op == "norm" and "forward" in name]
-        assert len(forwards) == 2 * 2 * 2 + 1, forwards  # 2 layers x 2 norms, twice; the final norm once  # pintail's ops trace: no graph break (transformers' own code makes none here)
+        assert len(forwards) == 2 * 2 * 2 + 1, forwards  # 2 layers x 2 norms, twice; the final norm once
+    if mode == "compile":  # pintail's ops trace: no graph break (transformers' own code makes none here)
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.allclose(got.loss, expected.loss, rtol=1e-5)
     for name, p in patched.named_parameters():

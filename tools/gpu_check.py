@@ -209,8 +209,8 @@ def main():
         with open(out / "log.txt", "a") as log:
             log.write(f"\n==== {name}\n{text}")
         compiled = [line for line in text.splitlines() if line.startswith("Triton compiled")]
-        progress = "".join(line.split(" [")[0] for line in text.splitlines() if set(line.split(" [")[0]) <= set(".sFExX")
-                           and line.strip())
+        marks = [line.split(" [")[0] for line in text.splitlines()]
+        progress = "".join(mark for mark in marks if mark.strip() and set(mark) <= set(".sFExX"))
         status |= record(out, name, xml_path, time.time() - start, returncode, compiled[-1] if compiled else "",
                          progress, failure_log)
     if args.sanitize:

@@ -133,7 +133,8 @@ def linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight
     chunk and a kernel over the pair of rows; the backward runs them again, writes the
     student's gradient over its logits and takes dx and dW from it (six GEMMs in all).
     """
-    refuse_dtensors("pintail.linear_distillation_loss", input=input, linear_weight=linear_weight, teacher_input=teacher_input, teacher_weight=teacher_weight)
+    refuse_dtensors("pintail.linear_distillation_loss", input=input, linear_weight=linear_weight,
+                    teacher_input=teacher_input, teacher_weight=teacher_weight)
     check_head(NAME, input, linear_weight, None)
     check_head(NAME, teacher_input, teacher_weight, None, "teacher_input", "teacher_weight")
     if teacher_weight.shape[0] != linear_weight.shape[0]:

@@ -240,7 +240,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     Gradients are computed only for the tensors that require them (a frozen head costs no
     dW GEMM). A second derivative raises.
     """
-    refuse_dtensors("pintail.linear_cross_entropy", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
+    refuse_dtensors("pintail.linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
+                    linear_bias=linear_bias, weight=weight)
     ignore_index = -100 if ignore_index is None else ignore_index
     input, linear_weight, linear_bias, head_weight = chunks.autocast_inputs(input, linear_weight, linear_bias)
     split = process_group is not None

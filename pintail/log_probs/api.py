@@ -349,7 +349,8 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
       gradients, dx is summed over the ranks (an all-reduce in the backward).
     Gradients for input, linear_weight and linear_bias, through lp and H.
     """
-    refuse_dtensors("pintail.linear_log_probs", input=input, linear_weight=linear_weight, target=target, linear_bias=linear_bias)
+    refuse_dtensors("pintail.linear_log_probs", input=input, linear_weight=linear_weight, target=target,
+                    linear_bias=linear_bias)
     name = "pintail.linear_log_probs"
     check_head(name, input, linear_weight, linear_bias)
     check_target(name, target, input.shape[:-1], input.device)

@@ -355,8 +355,10 @@ def _normalise(name, input, normalized_shape, weight, bias, residual, eps, weigh
                         f"{input.dtype if isinstance(input, torch.Tensor) else type(input).__name__}")
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if any(is_dtensor(t) for t in (input, weight, bias, residual)):  # tensor / sequence parallelism
-        return local_rows(name, lambda x, r, w, b: _normalise(name, x, shape, w, b, r, eps, weight_offset, rms, out_dtype),
-                          input, range(-len(shape), 0), [("residual", residual)], [("weight", weight), ("bias", bias)])
+        def local(x, r, w, b):
+            return _normalise(name, x, shape, w, b, r, eps, weight_offset, rms, out_dtype)
+        return local_rows(name, local, input, range(-len(shape), 0), [("residual", residual)],
+                          [("weight", weight), ("bias", bias)])
     if not shape or tuple(input.shape[input.dim() - len(shape):]) != shape or len(shape) > input.dim():
         raise ValueError(f"{name}: normalized_shape={list(shape)} must be the trailing dims of input, "
                          f"got input of shape {list(input.shape)}")

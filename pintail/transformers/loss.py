@@ -108,8 +108,9 @@ class _HeadLoss:
         group = None
         if _is_dtensor(weight):
             x, weight, bias, group = _vocabulary_shard(x, weight, bias)
-        self.loss = linear_cross_entropy(x, weight, self.labels.to(x.device), linear_bias=bias, reduction=self.reduction,
-                                         softcap=self.softcap, out_dtype=torch.float32, process_group=group)
+        self.loss = linear_cross_entropy(x, weight, self.labels.to(x.device), linear_bias=bias,
+                                         reduction=self.reduction, softcap=self.softcap, out_dtype=torch.float32,
+                                         process_group=group)
         if group is None:
             return self.loss
         # tensor parallelism's output hook redistributes what the head returns: an empty DTensor
