@@ -42,3 +42,11 @@ def test_log_probs_and_distillation_block_runs_as_pasted(tmp_path):
     (block,) = blocks("Log-probabilities, entropy and distillation from hidden states")
     fused, composed = run(block, tmp_path)
     assert abs(fused - composed) <= 1e-4 * abs(composed)
+
+
+@pytest.mark.uses_reference
+def test_preference_losses_block_runs_as_pasted(tmp_path):
+    """The DPO snippet: the fused loss beside the composition on the whole logits."""
+    (block,) = blocks("Preference and policy losses")
+    fused, composed = run(block, tmp_path)
+    assert abs(fused - composed) <= 1e-4 * abs(composed)
