@@ -1,6 +1,8 @@
 """torch.library and torch.compile on every path: `torch.library.opcheck` of every pintail op
-over a grid of its arguments, and torch.compile(fullgraph=True, dynamic=True) with inductor
-of every public function, forward and backward, against float64 torch. The file runs on
+over a grid of its arguments, and torch.compile(fullgraph=True, dynamic=True) of every public
+function, forward and backward, against float64 torch: with inductor on a GPU; on a CPU with
+aot_eager (the same traced graphs; inductor's C++ build took most of the CPU suite's time
+here), inductor once (test_inductor_on_a_cpu). The file runs on
 each path of the suite: the interpreter, the reference path (--path reference) and CUDA."""
 
 import importlib
@@ -173,8 +175,9 @@ def significant_strides(t):
     return tuple(stride for size, stride in zip(t.shape, t.stride()) if size > 1)
 
 
-def compiled_matches(ours, truth, inputs, upstream_seed=0):
-    """ours(*inputs) compiled (inductor, fullgraph, dynamic shapes) against eager: outputs and
+def compiled_matches(ours, truth, inputs, upstream_seed=0, inductor_on_cpu=False):
+    """ours(*inputs) compiled (inductor on a GPU; on a CPU aot_eager, the same traced graphs,
+    unless inductor_on_cpu; fullgraph, dynamic shapes) against eager: outputs and
     the gradients of every floating input that requires grad, same dtypes and layouts; and
     both against `truth` on float64 copies. 16-bit gradients are compared with eager only:
     they come from 16-bit forward outputs, so their error against float64 is the op's
@@ -193,7 +196,9 @@ def compiled_matches(ours, truth, inputs, upstream_seed=0):
                 if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
 
     torch._dynamo.reset()
-    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend="inductor")
+    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+    backend = "inductor" if on_gpu or inductor_on_cpu else "aot_eager"  # on a CPU: the same graphs, minutes less
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend=backend)
     eager_outs, eager_grads = run(ours, leaves())
     outs, grads = run(compiled, leaves())
     truth_outs, truth_grads = run(truth, leaves(torch.float64))
@@ -239,6 +244,26 @@ def test_compile_norms(kind, device, on_reference):
         else:
             compiled_matches(lambda x, w, b: pintail.layer_norm(x * 2, (N,), w, b, eps),
                              lambda x, w, b: F.layer_norm(x * 2, (N,), w, b, eps), [x, w, b])
+
+
+def test_inductor_on_a_cpu(device, on_reference):
+    """Inductor itself around pintail's ops on a CPU (the other tests take aot_eager there):
+    a fused residual norm then a softmax, whose strides inductor chooses."""
+    if device.type != "cpu":
+        pytest.skip("on a GPU every compile test takes inductor")
+    dtype = torch.float32
+    x, r = (torch.randn(3, 5, 48, dtype=dtype, requires_grad=True) for _ in range(2))
+    w = torch.randn(48, dtype=dtype, requires_grad=True)
+
+    def ours(x, r, w):
+        y, h = pintail.rms_norm(x * 2, (48,), w, 1e-6, residual=r)
+        return pintail.softmax(y.transpose(0, 1), -1), h
+
+    def truth(x, r, w):
+        h = x * 2 + r
+        return torch.softmax(F.rms_norm(h, (48,), w, 1e-6).transpose(0, 1), -1), h
+
+    compiled_matches(ours, truth, [x, r, w], inductor_on_cpu=True)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(weight=True, label_smoothing=0.1, z_loss=1e-3),
