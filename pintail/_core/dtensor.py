@@ -19,6 +19,21 @@ def refuse_dtensors(name, **tensors):
                             f"{label}.to_local() (the vocabulary-parallel losses take process_group)")
 
 
+def vocabulary_shard(name, input, weight, bias):
+    """A head whose weight is a DTensor split over the vocabulary (tensor parallelism's
+    ColwiseParallel): the whole input, this rank's rows of the weight (and bias) and the mesh's
+    process group, for a loss's vocabulary-parallel path (no logits gathered)."""
+    from torch.distributed.tensor import Shard
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise NotImplementedError(f"{name}: linear_weight is a DTensor placed {tuple(weight.placements)} on a "
+                                  f"{mesh.ndim}-D mesh; a head takes (Shard(0),) on a 1-D mesh (ColwiseParallel "
+                                  f"over the vocabulary)")
+    input = input.full_tensor() if is_dtensor(input) else input
+    bias = bias.to_local() if is_dtensor(bias) else bias
+    return input, weight.to_local(), bias, mesh.get_group()
+
+
 def local_rows(name, fn, input, row_dims, same_layout=(), replicated=()):
     """fn(input, *same_layout, *replicated) on each rank's local shards, its output(s) DTensors
     placed as `input`. The layout must leave each row whole on a rank: no placement shards one

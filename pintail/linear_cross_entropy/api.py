@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import parallel
-from .._core.dtensor import refuse_dtensors
+from .._core.dtensor import is_dtensor, refuse_dtensors, vocabulary_shard
 from .._core.launch import no_second_derivative
 from .._loss import chunks
 from .._loss.checks import (Reduction, TargetCheck, check_class_weight, check_head, check_loss_options,
@@ -240,6 +240,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     Gradients are computed only for the tensors that require them (a frozen head costs no
     dW GEMM). A second derivative raises.
     """
+    if is_dtensor(linear_weight) and process_group is None:  # a head split over the vocabulary
+        input, linear_weight, linear_bias, process_group = vocabulary_shard("pintail.linear_cross_entropy", input,
+                                                                            linear_weight, linear_bias)
     refuse_dtensors("pintail.linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
                     linear_bias=linear_bias, weight=weight)
     ignore_index = -100 if ignore_index is None else ignore_index

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..log_probs import linear_log_probs
+from .preference import token_log_probs
 
 
 def grpo_loss(input, linear_weight, target, advantages, *, old_log_probs=None, ref_log_probs=None, beta=0.04,
@@ -17,9 +17,6 @@ def grpo_loss(input, linear_weight, target, advantages, *, old_log_probs=None, r
     over each row's kept tokens, then over rows; "token": the mean over all kept tokens (DAPO's
     form). temperature divides the logits, as the sampler's did."""
     name = "pintail.losses.grpo_loss"
-    if input.dim() != 3 or target.shape != input.shape[:2]:
-        raise ValueError(f"{name}: input must be (batch, seq, hidden) and target (batch, seq), got input "
-                         f"{list(input.shape)} and target {list(target.shape)}")
     if loss_type not in ("grpo", "token"):
         raise ValueError(f"{name}: loss_type must be 'grpo' or 'token', got {loss_type!r}")
     if beta and ref_log_probs is None:
@@ -30,9 +27,8 @@ def grpo_loss(input, linear_weight, target, advantages, *, old_log_probs=None, r
     for label, value in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
         if value is not None and value.shape != target.shape:
             raise ValueError(f"{name}: {label} must have target's shape {list(target.shape)}, got {list(value.shape)}")
-    lp = linear_log_probs(input, linear_weight, target, linear_bias=linear_bias, temperature=temperature,
-                          ignore_index=ignore_index, memory_budget=memory_budget)
-    kept_mask = target != ignore_index
+    lp, kept_mask = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget,
+                                    temperature)
     kept = kept_mask.to(lp.dtype)
     zero = lp.new_zeros(())  # ignored tokens: ratio 1, KL 0, whatever old and ref hold there
     old = lp.detach() if old_log_probs is None else old_log_probs.to(lp.dtype)

@@ -6,13 +6,13 @@ import torch.nn.functional as F
 from ..log_probs import linear_log_probs
 
 
-def _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget):
+def token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget, temperature=1.0):
     """Each target token's log-probability (0 where ignored) and the kept mask, (batch, seq)."""
     if input.dim() != 3 or target.shape != input.shape[:2]:
         raise ValueError(f"{name}: input must be (batch, seq, hidden) and target (batch, seq), got input "
                          f"{list(input.shape)} and target {list(target.shape)}")
-    lp = linear_log_probs(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
-                          memory_budget=memory_budget)
+    lp = linear_log_probs(input, linear_weight, target, linear_bias=linear_bias, temperature=temperature,
+                          ignore_index=ignore_index, memory_budget=memory_budget)
     return lp, target != ignore_index
 
 
@@ -27,7 +27,7 @@ def sequence_log_probs(input, linear_weight, target, *, linear_bias=None, ignore
     hidden) and the head: the sum over kept tokens, or with average=True their mean (the
     length-normalised form of SimPO and ORPO). No logits are made; gradients flow to input,
     linear_weight and linear_bias. Use it under torch.no_grad() for a reference model's."""
-    lp, kept = _token_log_probs("pintail.losses.sequence_log_probs", input, linear_weight, target, linear_bias,
+    lp, kept = token_log_probs("pintail.losses.sequence_log_probs", input, linear_weight, target, linear_bias,
                                 ignore_index, memory_budget)
     return _per_sequence(lp, kept, average)
 
@@ -65,7 +65,7 @@ def dpo_loss(input, linear_weight, target, ref_chosen_logps, ref_rejected_logps,
     pair, e.g. sequence_log_probs under no_grad); label_smoothing e gives conservative DPO."""
     name = "pintail.losses.dpo_loss"
     _check_smoothing(name, label_smoothing)
-    lp, kept = _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
+    lp, kept = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
     chosen, rejected = _halves(name, _per_sequence(lp, kept, False))
     margin = (chosen - _reference(name, "ref_chosen_logps", ref_chosen_logps, chosen)) - \
         (rejected - _reference(name, "ref_rejected_logps", ref_rejected_logps, rejected))
@@ -86,7 +86,7 @@ def cpo_loss(input, linear_weight, target, *, beta=0.1, alpha=1.0, label_smoothi
     completions' negative log-likelihood (mean over their tokens)."""
     name = "pintail.losses.cpo_loss"
     _check_smoothing(name, label_smoothing)
-    lp, kept = _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
+    lp, kept = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
     chosen, rejected = _halves(name, _per_sequence(lp, kept, False))
     preference = _smoothed_sigmoid_loss(beta * (chosen - rejected), label_smoothing).mean()
     return preference + alpha * _chosen_nll(lp, kept)
@@ -99,7 +99,7 @@ def simpo_loss(input, linear_weight, target, *, beta=2.0, gamma=0.5, label_smoot
     reference model; the mean over pairs."""
     name = "pintail.losses.simpo_loss"
     _check_smoothing(name, label_smoothing)
-    lp, kept = _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
+    lp, kept = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
     chosen, rejected = _halves(name, _per_sequence(lp, kept, True))
     return _smoothed_sigmoid_loss(beta * (chosen - rejected) - gamma, label_smoothing).mean()
 
@@ -109,7 +109,7 @@ def orpo_loss(input, linear_weight, target, *, beta=0.1, linear_bias=None, ignor
     tokens) minus beta (the paper's lambda) times the mean over pairs of log sigmoid of the log
     odds ratio log(odds_c / odds_r), odds = p / (1 - p) of the length-normalised p."""
     name = "pintail.losses.orpo_loss"
-    lp, kept = _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
+    lp, kept = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
     chosen, rejected = _halves(name, _per_sequence(lp, kept, True))
     log_odds = (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))
     return _chosen_nll(lp, kept) - beta * F.logsigmoid(log_odds).mean()
@@ -124,7 +124,7 @@ def kto_loss(input, linear_weight, target, ref_logps, desirable, *, beta=0.1, de
     over rows; z is `kl`, the reference point (an estimate of KL(policy || reference), taken
     without gradient and clamped at 0), 0 when None."""
     name = "pintail.losses.kto_loss"
-    lp, kept = _token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
+    lp, kept = token_log_probs(name, input, linear_weight, target, linear_bias, ignore_index, memory_budget)
     logps = _per_sequence(lp, kept, False)
     reward = logps - _reference(name, "ref_logps", ref_logps, logps)
     if not isinstance(desirable, torch.Tensor) or desirable.shape != logps.shape or desirable.dtype != torch.bool:

@@ -8,6 +8,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .._core.dtensor import is_dtensor
 from ..cross_entropy import cross_entropy
 from ..linear_cross_entropy import linear_cross_entropy
 
@@ -105,41 +106,15 @@ class _HeadLoss:
         if self.labels is None:
             return self.head_forward(hidden, *args, **kwargs)
         x, weight, bias = head_operands(self.head, hidden)
-        group = None
-        if _is_dtensor(weight):
-            x, weight, bias, group = _vocabulary_shard(x, weight, bias)
         self.loss = linear_cross_entropy(x, weight, self.labels.to(x.device), linear_bias=bias,
-                                         reduction=self.reduction, softcap=self.softcap, out_dtype=torch.float32,
-                                         process_group=group)
-        if group is None:
+                                         reduction=self.reduction, softcap=self.softcap, out_dtype=torch.float32)
+        if not is_dtensor(weight):
             return self.loss
         # tensor parallelism's output hook redistributes what the head returns: an empty DTensor
         # of the logits' layout stands in for them (the loss is on every rank already)
         from torch.distributed.tensor import DTensor, Shard
-        empty = x.new_empty(*x.shape[:-1], 0)
-        return DTensor.from_local(empty, hidden.device_mesh if _is_dtensor(hidden) else None, [Shard(x.dim() - 1)])
-
-
-def _is_dtensor(t):
-    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
-
-
-def _vocabulary_shard(x, weight, bias):
-    """A head whose weight is a DTensor split over the vocabulary (tensor parallelism's
-    ColwiseParallel): the whole hidden state, this rank's rows of the weight (and bias), and
-    the mesh's process group, for linear_cross_entropy's vocabulary-parallel path (no logits
-    gathered; the loss, and dx, summed over the ranks)."""
-    from torch.distributed.tensor import Shard
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise NotImplementedError(f"pintail.patch: the output head's weight is a DTensor placed {weight.placements} "
-                                  f"on a {mesh.ndim}-D mesh; the fused loss takes (Shard(0),) on a 1-D mesh "
-                                  f"(ColwiseParallel over the vocabulary)")
-    if _is_dtensor(x):
-        x = x.full_tensor()
-    if _is_dtensor(bias):
-        bias = bias.to_local()
-    return x, weight.to_local(), bias, mesh.get_group()
+        empty = torch.empty(*x.shape[:-1], 0, dtype=weight.dtype, device=weight.device)
+        return DTensor.from_local(empty, weight.device_mesh, [Shard(x.dim() - 1)])
 
 
 def fused_loss_forward(model, original, softcap):

@@ -250,10 +250,11 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True)
     Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
     does not find, raises before anything is changed. Patching twice changes nothing more.
     """
-    if _own_class(model, FAMILIES) is None and callable(getattr(model, "get_base_model", None)):
+    model_class = _own_class(model, FAMILIES)
+    if model_class is None and callable(getattr(model, "get_base_model", None)):
         patch(model.get_base_model(), norms=norms, rotary=rotary, loss=loss, mlp=mlp, residual=residual)
         return model  # a PEFT model: its transformers model patched
-    name = (_own_class(model, FAMILIES) or type(model)).__name__
+    name = (model_class or type(model)).__name__
     family = FAMILIES.get(name)
     if family is None:
         raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
