@@ -184,7 +184,9 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # inductor's compile pool would start a process a core in each of the xdist workers
-    env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1"))
+    # and torch's CPU thread pool one a core: 16 workers x 16 threads oversubscribe the host
+    env = install_wheels(dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+                              OMP_NUM_THREADS="1"))
     scratch = Path("/tmp/pintail-junit")
     scratch.mkdir(exist_ok=True)
     stages = [(name, [*(f"tests/{file}" for file in files), "-m", "not large", "-n", str(args.workers),
