@@ -50,3 +50,12 @@ def test_preference_losses_block_runs_as_pasted(tmp_path):
     (block,) = blocks("Preference and policy losses")
     fused, composed = run(block, tmp_path)
     assert abs(fused - composed) <= 1e-4 * abs(composed)
+
+
+def test_family_table_is_the_registry():
+    """The README's table of model families is what tools/family_table.py prints from
+    pintail.transformers.FAMILIES."""
+    pytest.importorskip("transformers")
+    tool = pathlib.Path(__file__).resolve().parent.parent / "tools" / "family_table.py"
+    result = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

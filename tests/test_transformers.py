@@ -174,25 +174,27 @@ def test_bfloat16_within_bf16_tolerance(device):
 
 
 def test_unknown_activation_stays_on_torch(device):
-    """A gated MLP whose activation pintail has no kernel for is left alone, with a warning."""
+    """A gated MLP whose activation pintail has no kernel for (found by running it, whatever
+    the config says) is left alone, with a warning."""
     model = tiny_model("llama")
-    model.config.hidden_act = "relu2"
+    for layer in model.model.layers:
+        layer.mlp.act_fn = transformers.activations.ACT2FN["relu2"]
     mlp_forward = model.model.layers[0].mlp.forward
-    with pytest.warns(UserWarning, match="MLP activation 'relu2' has no pintail kernel"):
+    with pytest.warns(UserWarning, match="mlp: expected {'LlamaMLP': 'silu separate'}, found {}"):
         pintail.patch(model)
+    assert model.pintail_summary["torch"]["mlp LlamaMLP"] == "its activation has no pintail kernel"
     assert model.model.layers[0].mlp.forward == mlp_forward
 
 
 def test_loud_failures_and_repeat(device, monkeypatch):
-    with pytest.raises(TypeError, match="pintail.patch: Linear is not supported"):
+    with pytest.raises(TypeError, match="expected a Hugging Face transformers model, got Linear"):
         pintail.patch(torch.nn.Linear(2, 2))
     model = tiny_model("llama")
     forward = model.forward
-    patch_module = importlib.import_module("pintail.transformers.patch")
-    broken = patch_module.Family("llama", {"NoSuchNorm": "cast_then_weight"})
-    monkeypatch.setitem(patch_module.FAMILIES, "LlamaForCausalLM", broken)
-    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM has no module of \['NoSuchNorm'\]"):
-        pintail.patch(model)
+    monkeypatch.setitem(pintail.transformers.FAMILIES, "llama",
+                        {**pintail.transformers.FAMILIES["llama"], "norms": {"NoSuchNorm": "cast_then_weight"}})
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM \(llama\) differs .*NoSuchNorm"):
+        pintail.patch(model, strict=True)
     assert model.forward == forward and not hasattr(model, "_pintail_patched")  # nothing changed
     monkeypatch.undo()
     pintail.patch(model)
@@ -333,10 +335,11 @@ def test_residual_adds_run_in_the_norms(family, device):
 def test_layer_of_another_form_stays_with_a_warning(device, monkeypatch):
     """A decoder layer whose forward is not the form pintail fuses keeps its own forward (a
     warning names it); the rest of the patch applies."""
-    patch_module = importlib.import_module("pintail.transformers.patch")
-    monkeypatch.setitem(patch_module.LAYER_FORMS, "pre", ["return hidden_states"])
+    layers = importlib.import_module("pintail.transformers.layers")
+    monkeypatch.setitem(layers.LAYER_FORMS, "pre", ["return hidden_states"])
     model = tiny_model("llama").to(device)
-    with pytest.warns(UserWarning, match="LlamaDecoderLayer.forward is not the form pintail fuses"):
+    with pytest.warns(UserWarning, match="residual: expected {'LlamaDecoderLayer': 'pre'}, found {}"):
         pintail.patch(model)
+    assert "residual LlamaDecoderLayer" in model.pintail_summary["torch"]
     layer = model.model.layers[0]
     assert "forward" not in vars(layer) and "forward" in vars(layer.post_attention_layernorm)

@@ -2,8 +2,10 @@
 call (a plain nn.Linear, a PEFT LoRA-adapted one, or one in PEFT's modules_to_save), and
 transformers' loss function on pintail.cross_entropy where logits are made."""
 
+import ast
 import functools
 import inspect
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +92,8 @@ class _HeadLoss:
     `attach` moves it to the module the model calls as its head now (PEFT wraps the head it
     was first set on)."""
 
-    def __init__(self, softcap):
-        self.head, self.head_forward, self.softcap = None, None, softcap
+    def __init__(self, softcap, scale):
+        self.head, self.head_forward, self.softcap, self.scale = None, None, softcap, scale
         self.labels, self.reduction, self.loss = None, "mean", None
 
     def attach(self, head):
@@ -106,6 +108,8 @@ class _HeadLoss:
         if self.labels is None:
             return self.head_forward(hidden, *args, **kwargs)
         x, weight, bias = head_operands(self.head, hidden)
+        if self.scale != 1:  # logits * s = (x * s) W^T (+ s b)
+            x, bias = x * self.scale, bias * self.scale if bias is not None else None
         self.loss = linear_cross_entropy(x, weight, self.labels.to(x.device), linear_bias=bias,
                                          reduction=self.reduction, softcap=self.softcap, out_dtype=torch.float32)
         if not is_dtensor(weight):
@@ -117,14 +121,14 @@ class _HeadLoss:
         return DTensor.from_local(empty, weight.device_mesh, [Shard(x.dim() - 1)])
 
 
-def fused_loss_forward(model, original, softcap):
+def fused_loss_forward(model, original, softcap, scale=1.0):
     """The model's forward where, with labels and gradients on, the loss comes from
     pintail.linear_cross_entropy on the last hidden state, inside the head's call: the logits
     are never made (the output's logits are None). Without labels, or without gradients
     (evaluation, which wants logits), the model's own forward runs, its loss on
     pintail.cross_entropy."""
     signature = inspect.signature(original)
-    head_loss = _HeadLoss(softcap)
+    head_loss = _HeadLoss(softcap, scale)
     head_loss.attach(model.get_output_embeddings())
 
     @functools.wraps(original)  # its signature too: the Trainer keeps the dataset columns the forward names
@@ -147,6 +151,9 @@ def fused_loss_forward(model, original, softcap):
         if loss is None:
             raise RuntimeError(f"pintail.patch: {type(model).__name__}'s forward did not call its output head")
         loss = _per_item(loss, num_items)
+        aux_loss = output.get("aux_loss") if isinstance(output, dict) else None
+        if aux_loss is not None and hasattr(model, "router_aux_loss_coef"):  # as the MoE models add it
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
         if isinstance(output, tuple):
             return (loss, None, *output[1:])
         output["loss"] = loss
@@ -154,3 +161,103 @@ def fused_loss_forward(model, original, softcap):
         return output
 
     return forward
+
+
+def logit_transform(model, model_class):
+    """(scale, softcap) such that the forward's logits are softcap(scale * head(hidden)), read
+    from the statements of the forward between its output head's call and its loss: a
+    multiplier or divisor of config values (Granite's logits_scaling, Falcon-H1's
+    lm_head_multiplier) and Gemma's final-logit softcapping. None if the forward does
+    anything else to the logits, or calls no head."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(model_class.forward)))).body[0].body
+    except (OSError, TypeError, SyntaxError):
+        return None
+    try:
+        return _read_transform(model, body)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a value it cannot read: not a form pintail reads
+        return None
+
+
+def _read_transform(model, body):
+    scale, softcap, seen_head, names = 1.0, None, False, {}
+    for stmt in body:
+        text = ast.unparse(stmt)
+        if not seen_head:
+            head = _head_assignment(stmt)
+            if head is not None:
+                seen_head = True
+                if head is not True:
+                    scale *= _value(model, head, names)
+            continue
+        if "labels" in text or "loss" in text:
+            return scale, softcap
+        if "logits" not in text:
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                names[stmt.targets[0].id] = stmt.value  # a value a later statement may name
+            continue
+        value = _scaling(stmt)
+        if value is not None:
+            factor = _value(model, value[1], names)
+            scale = scale * factor if value[0] == "*" else scale / factor
+        elif isinstance(stmt, ast.If) and _softcap_block(stmt):
+            cap = stmt.test.left
+            if isinstance(cap, ast.NamedExpr):  # if (cap := ...) is not None:
+                names[cap.target.id], cap = cap.value, cap.value
+            softcap = _value(model, cap, names) or None
+        else:
+            return None
+    return None
+
+
+def _head_assignment(stmt):
+    """For `logits = self.lm_head(...)` True, for `logits = self.lm_head(...) * <expr>` the
+    expression; else None."""
+    if not (isinstance(stmt, ast.Assign) and [ast.unparse(t) for t in stmt.targets] == ["logits"]):
+        return None
+    value = stmt.value
+    is_head = lambda node: isinstance(node, ast.Call) and ast.unparse(node.func) == "self.lm_head"  # noqa: E731
+    if is_head(value):
+        return True
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and is_head(value.left):
+        return value.right
+    return None
+
+
+def _scaling(stmt):
+    """('*' or '/', expression) for `logits = logits * <expr>` or `logits = logits / <expr>`."""
+    if isinstance(stmt, ast.Assign) and [ast.unparse(t) for t in stmt.targets] == ["logits"] and \
+            isinstance(stmt.value, ast.BinOp) and ast.unparse(stmt.value.left) == "logits" and \
+            isinstance(stmt.value.op, (ast.Mult, ast.Div)):
+        return ("*" if isinstance(stmt.value.op, ast.Mult) else "/"), stmt.value.right
+    return None
+
+
+def _softcap_block(stmt):
+    """`if <cap> is not None:` then logits = logits / <cap>; tanh; * <cap>."""
+    test = stmt.test
+    if not (isinstance(test, ast.Compare) and isinstance(test.ops[0], ast.IsNot) and not stmt.orelse):
+        return False
+    cap = test.left.target if isinstance(test.left, ast.NamedExpr) else test.left
+    cap = ast.unparse(cap)
+    return [ast.unparse(s) for s in stmt.body] == [f"logits = logits / {cap}", "logits = torch.tanh(logits)",
+                                                   f"logits = logits * {cap}"]
+
+
+def _value(model, node, names):
+    """The value of an expression of attributes, argument-free calls and getattr on `self`
+    (and of local names bound to such expressions)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id == "self":
+            return model
+        return _value(model, names[node.id], names)
+    if isinstance(node, ast.Attribute):
+        return getattr(_value(model, node.value, names), node.attr)
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and not node.keywords:
+        args = [_value(model, a, names) for a in node.args]
+        return getattr(*args)
+    if isinstance(node, ast.Call) and not node.args and not node.keywords:
+        return _value(model, node.func, names)()
+    raise ValueError(f"pintail.patch: cannot evaluate {ast.unparse(node)}")

@@ -1,325 +1,265 @@
-"""pintail.patch: pintail's kernels in a Hugging Face causal language model, in place."""
+"""pintail.patch: pintail's kernels inside a Hugging Face language model, in place.
 
-import ast
-import importlib
+Every part is found by structure in the language model (its norms, its decoder layers'
+residual adds, its gated MLPs, its rotary function, its output head) and proven equal to
+what it replaces on a small random input before it is swapped in. FAMILIES says, per
+model_type, what a patch must find; a family not listed gets what is found."""
+
 import inspect
-import textwrap
+import logging
 import types
 import warnings
-from dataclasses import dataclass
 
-import torch
+from . import layers, mlp as mlps, norms as norm_rules, rotary as rotaries
+from .families import FAMILIES
+from .loss import base_linear, causal_lm_loss, fused_loss_forward, logit_transform
 
-from ..gated import geglu, swiglu
-from ..norm import layer_norm, rms_norm
-from ..rotary import apply_rotary
-from .loss import base_linear, causal_lm_loss, fused_loss_forward
+log = logging.getLogger("pintail")
 
 
-@dataclass(frozen=True)
-class Family:
-    """What pintail patches in one model family: `module`, the transformers.models package;
-    `norms`, each norm class name and its output rule (NORM_FORWARDS); `rotary`, whether its
-    attention calls the module's apply_rotary_pos_emb; `mlp`, its gated MLP class and whether
-    it projects gate and up apart ("separate": gate_proj, up_proj) or as one ("fused":
-    gate_up_proj, gate first); None for a plain MLP; `layer`, its decoder layer class and the
-    form of its residual adds (LAYER_FORMS), None where no add feeds a norm (post-norm
-    OLMo 2, GPT-2 and GPT-NeoX's parallel blocks)."""
-    module: str
-    norms: dict
-    rotary: bool = True
-    mlp: tuple = None
-    layer: tuple = None
+def _own_class(module, test):
+    """The first class in the module's hierarchy that passes `test`: a wrapper's subclass
+    (FSDP2's FSDPLlamaDecoderLayer) resolves to the class it wraps."""
+    return next((cls for cls in type(module).__mro__ if test(cls)), None)
 
 
-# Qwen3's, OLMo 2's and Gemma 3's q/k norms are modules of their norm class: patched with the others.
-FAMILIES = {
-    "LlamaForCausalLM": Family("llama", {"LlamaRMSNorm": "cast_then_weight"}, mlp=("LlamaMLP", "separate"),
-                               layer=("LlamaDecoderLayer", "pre")),
-    "MistralForCausalLM": Family("mistral", {"MistralRMSNorm": "cast_then_weight"}, mlp=("MistralMLP", "separate"),
-                                 layer=("MistralDecoderLayer", "pre")),
-    "Qwen2ForCausalLM": Family("qwen2", {"Qwen2RMSNorm": "cast_then_weight"}, mlp=("Qwen2MLP", "separate"),
-                               layer=("Qwen2DecoderLayer", "pre")),
-    "Qwen3ForCausalLM": Family("qwen3", {"Qwen3RMSNorm": "cast_then_weight"}, mlp=("Qwen3MLP", "separate"),
-                               layer=("Qwen3DecoderLayer", "pre")),
-    "Phi3ForCausalLM": Family("phi3", {"Phi3RMSNorm": "cast_then_weight"}, mlp=("Phi3MLP", "fused"),
-                              layer=("Phi3DecoderLayer", "pre_dropout")),
-    "Olmo2ForCausalLM": Family("olmo2", {"Olmo2RMSNorm": "weight_then_cast"}, mlp=("Olmo2MLP", "separate")),
-    "Gemma2ForCausalLM": Family("gemma2", {"Gemma2RMSNorm": "one_plus_weight"}, mlp=("Gemma2MLP", "separate"),
-                                layer=("Gemma2DecoderLayer", "sandwich")),
-    "Gemma3ForCausalLM": Family("gemma3", {"Gemma3RMSNorm": "one_plus_weight"}, mlp=("Gemma3MLP", "separate"),
-                                layer=("Gemma3DecoderLayer", "sandwich")),
-    "GPTNeoXForCausalLM": Family("gpt_neox", {"LayerNorm": "layer_norm"}),  # partial rotary
-    "GPT2LMHeadModel": Family("gpt2", {"LayerNorm": "layer_norm"}, rotary=False),
-}
+def _transformers_class(module):
+    return _own_class(module, lambda cls: cls.__module__.startswith("transformers.models."))
 
 
-def _sum_dtype(x, residual):
-    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+def _config_value(config, name):
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, name, getattr(config, name, None))
 
 
-def _cast_then_weight(self, x, residual=None):
-    """Llama: weight * normalised(x).to(x.dtype), in the dtype those two promote to. With a
-    residual (a patched decoder layer): the norm of residual + x, and that sum."""
-    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon, residual=residual,
-                    out_dtype=torch.promote_types(self.weight.dtype, _sum_dtype(x, residual)))
+class _Plan:
+    """What a patch finds (the summary) and the changes that apply it."""
+
+    def __init__(self):
+        self.summary = {"norms": {}, "residual": {}, "mlp": {}, "rotary": {}, "loss": None, "torch": {}}
+        self.changes = []
+
+    def keep(self, what, why):
+        self.summary["torch"][what] = why
 
 
-def _weight_then_cast(self, x):
-    """OLMo 2: (weight * normalised(x)).to(x.dtype)."""
-    return rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+def _norm_key(m):
+    """A norm's class name, and whether it has no weight (one class may have both kinds)."""
+    return _norm_class(m).__name__ + (" (no weight)" if m._parameters.get("weight") is None else "")
 
 
-def _one_plus_weight(self, x, residual=None):
-    """Gemma: normalised(x) * (1 + weight), in float32, then x's dtype (with a residual as
-    _cast_then_weight)."""
-    return rms_norm(x, (x.shape[-1],), self.weight, self.eps, residual=residual, weight_offset=1.0,
-                    out_dtype=_sum_dtype(x, residual))
+def _norm_class(m):
+    return _own_class(m, lambda c: "forward" in vars(c))
 
 
-def _layer_norm(self, x):
-    return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+def _plan_norms(plan, decoder):
+    rules = {}
+    for m in decoder.modules():
+        if not norm_rules.is_norm(m):
+            continue
+        cls, key = _norm_class(m), _norm_key(m)
+        if key not in rules:
+            rules[key] = norm_rules.find_rule(cls, m)
+        if rules[key] is None:
+            continue
+        forward = types.MethodType(norm_rules.RULES[rules[key]], m)
+        plan.changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    for key, rule in rules.items():
+        if rule is None:
+            plan.keep(f"norm {key}", "its forward matches no rule of pintail's")
+        else:
+            plan.summary["norms"][key] = rule
+    return rules
 
 
-# The config's activation name -> (pintail function, its extra arguments); gated MLPs with
-# any other activation stay on torch.
-GATED_ACTIVATIONS = {"silu": (swiglu, {}), "swish": (swiglu, {}), "gelu": (geglu, {"approximate": "none"}),
-                     "gelu_pytorch_tanh": (geglu, {"approximate": "tanh"}),
-                     "gelu_new": (geglu, {"approximate": "tanh"})}
+def _plan_residual(plan, decoder, rules):
+    seen = {}
+    for m in decoder.modules():
+        cls = _transformers_class(m)
+        if cls is None or "DecoderLayer" not in cls.__name__ and "Block" not in cls.__name__ \
+                and not cls.__name__.endswith("Layer"):
+            continue
+        if cls not in seen:
+            seen[cls] = layers.layer_form(cls)
+            form = seen[cls]
+            if form is None:
+                if layers.starts_as_pre_norm(cls):
+                    plan.keep(f"residual {cls.__name__}", "its forward is not a form pintail fuses")
+                continue
+            # the norm that takes the residual: before the MLP
+            norm = getattr(m, layers.SANDWICH_NAMES[form][1] if form in layers.SANDWICH_NAMES
+                           else "post_attention_layernorm", None)
+            rule = rules.get(_norm_key(norm)) if norm is not None else None
+            if rule not in norm_rules.FUSES_RESIDUAL:
+                plan.keep(f"residual {cls.__name__}", "its norm before the MLP takes no residual in pintail")
+                seen[cls] = None
+                continue
+            plan.summary["residual"][cls.__name__] = form
+        if seen[cls] is not None:
+            forward = layers.layer_forward(cls, seen[cls])
+            plan.changes.append(lambda m=m, f=forward: setattr(m, "__class__", layers.fused_layer_class(type(m), f)))
 
 
-def _mlp_forward(form, act, options):
-    """A gated MLP's forward on pintail's fused activation."""
-    if form == "fused":
-        def forward(self, x):
-            return self.down_proj(act(self.gate_up_proj(x), **options))
-    else:
-        def forward(self, x):
-            return self.down_proj(act(self.gate_proj(x), self.up_proj(x), **options))
-    return forward
+def _plan_mlp(plan, decoder, config):
+    found = {}
+    hint = _config_value(config, "hidden_activation") or _config_value(config, "hidden_act")
+    for m in decoder.modules():
+        form = mlps.gated_mlp_form(m)
+        cls = _transformers_class(m)
+        if form is None or cls is None:
+            continue
+        if cls not in found:
+            found[cls] = mlps.find_activation(cls, m, form, hint if isinstance(hint, str) else None)
+            if found[cls] is None:
+                plan.keep(f"mlp {cls.__name__}", "its activation has no pintail kernel")
+            else:
+                plan.summary["mlp"][cls.__name__] = f"{found[cls]} {form}"
+        if found[cls] is not None:
+            forward = types.MethodType(mlps.mlp_forward(form, found[cls]), m)
+            plan.changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    for m in decoder.modules():
+        name = type(m).__name__
+        if name.endswith("Experts") and f"experts {name}" not in plan.summary["torch"]:
+            plan.keep(f"experts {name}", "mixture-of-experts experts stay torch's")
 
 
-NORM_FORWARDS = {"cast_then_weight": _cast_then_weight, "weight_then_cast": _weight_then_cast,
-                 "one_plus_weight": _one_plus_weight, "layer_norm": _layer_norm}
+def _plan_rotary(plan, decoder):
+    forms, attention = {}, []
+    for m in decoder.modules():
+        cls = _transformers_class(m)
+        if cls is None:
+            continue
+        functions = rotaries.rotary_functions(cls)
+        for python_module, name in functions:
+            key = (python_module, name)
+            if key not in forms:
+                function = getattr(python_module, name)
+                forms[key] = rotaries.find_form(rotaries.underlying(function))
+                if forms[key] is None:
+                    plan.keep(f"rotary {name}", "its form has no pintail kernel")
+                    continue
+                plan.summary["rotary"][name] = forms[key]
+                if not hasattr(function, "pintail_original"):
+                    plan.changes.append(lambda p=python_module, n=name, f=function, form=forms[key]:
+                                        setattr(p, n, rotaries.scoped(f, form)))
+        if any(forms.get(key) for key in functions):
+            attention.append(m)
+    for m in attention:
+        plan.changes.append(lambda m=m: setattr(m, "forward", rotaries.attention_forward(m.forward)))
 
 
-# The statements of a decoder layer's forward after its attention call, per form: the patch
-# fuses the add that feeds a norm into that norm's kernel, and leaves any other layer alone.
-LAYER_FORMS = {
-    "pre": ["hidden_states = residual + hidden_states", "residual = hidden_states",
-            "hidden_states = self.post_attention_layernorm(hidden_states)", "hidden_states = self.mlp(hidden_states)",
-            "hidden_states = residual + hidden_states", "return hidden_states"],
-    "pre_dropout": ["hidden_states = residual + self.resid_attn_dropout(hidden_states)", "residual = hidden_states",
-                    "hidden_states = self.post_attention_layernorm(hidden_states)",
-                    "hidden_states = self.mlp(hidden_states)",
-                    "hidden_states = residual + self.resid_mlp_dropout(hidden_states)", "return hidden_states"],
-    "sandwich": ["hidden_states = self.post_attention_layernorm(hidden_states)",
-                 "hidden_states = residual + hidden_states", "residual = hidden_states",
-                 "hidden_states = self.pre_feedforward_layernorm(hidden_states)",
-                 "hidden_states = self.mlp(hidden_states)", "hidden_states = self.post_feedforward_layernorm(hidden_states)",
-                 "hidden_states = residual + hidden_states", "return hidden_states"],
-}
-LAYER_HEAD = ["residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)"]
+def _plan_loss(plan, model, name):
+    head = model.get_output_embeddings()
+    if base_linear(head) is None or "labels" not in inspect.signature(model.forward).parameters:
+        plan.keep("loss", "no nn.Linear output head with labels")
+        return
+    transform = logit_transform(model, _transformers_class(model))
+    if transform is None:
+        plan.keep("loss", f"{name}.forward does more to the logits than pintail's fused head does")
+        plan.changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
+        return
+    scale, softcap = transform
+    plan.summary["loss"] = "fused" + (", softcap" if softcap is not None else "") + (", scaled" if scale != 1 else "")
+    plan.changes.append(lambda: setattr(model, "forward", fused_loss_forward(model, model.forward, softcap, scale)))
+    plan.changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
 
 
-def _layer_form_matches(layer_class, form) -> bool:
-    """Whether the layer's forward is, statement by statement, the form pintail rewrites: the
-    input norm, attention called with each of the layer's arguments by its own name, then
-    LAYER_FORMS[form]."""
-    function = inspect.unwrap(layer_class.forward)
-    try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
-    except (OSError, TypeError, SyntaxError):
-        return False
-    body = [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
-    if [ast.unparse(stmt) for stmt in body[:2]] != LAYER_HEAD or len(body) != 3 + len(LAYER_FORMS[form]):
-        return False
-    call = body[2].value if isinstance(body[2], ast.Assign) else None
-    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "self.self_attn" and not call.args):
-        return False
-    passed = [k.arg or "**" + ast.unparse(k.value) for k in call.keywords]
-    if any(k.arg and ast.unparse(k.value) != k.arg for k in call.keywords):
-        return False
-    parameters = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
-    expected = [p.name if p.kind != p.VAR_KEYWORD else "**" + p.name for p in parameters]
-    return sorted(passed) == sorted(expected) and [ast.unparse(s) for s in body[3:]] == LAYER_FORMS[form]
+def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True, strict=False):
+    """Run pintail's kernels inside a Hugging Face language model (in place; returns the model,
+    with what was done in `model.pintail_summary`).
 
-
-def _layer_forward(layer_class, form):
-    """The decoder layer's forward with the residual add before a norm fused into that
-    norm's kernel (rms_norm(..., residual=)): its backward adds the residual stream's
-    gradient in the same pass. Arguments go to attention by name, as the original passes them."""
-    signature = inspect.signature(inspect.unwrap(layer_class.forward))
-    var_keyword = next((p.name for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD), None)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if args:  # positional arguments take their names from the original signature
-            arguments = signature.bind(self, hidden_states, *args, **kwargs).arguments
-            kwargs = {**arguments.pop(var_keyword, {}), **arguments} if var_keyword else arguments
-            for name in ("self", "hidden_states"):
-                kwargs.pop(name)
-        residual = hidden_states
-        attended = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)[0]
-        if form == "sandwich":
-            normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended),
-                                                              residual=residual)
-            return residual + self.post_feedforward_layernorm(self.mlp(normed))
-        if form == "pre_dropout":
-            attended = self.resid_attn_dropout(attended)
-        normed, residual = self.post_attention_layernorm(attended, residual=residual)
-        out = self.mlp(normed)
-        return residual + (self.resid_mlp_dropout(out) if form == "pre_dropout" else out)
-
-    return forward
-
-
-_FUSED_LAYER_CLASSES = {}
-
-
-def _fused_layer_class(cls, forward):
-    """A subclass of the decoder layer's class (same name) whose forward is the fused one: it
-    goes where the class's own forward went, so transformers' gradient checkpointing, which
-    wraps the forward of each subclass of GradientCheckpointingLayer, recomputes it (a forward
-    set on the instance would run outside that wrapper, never checkpointed)."""
-    if cls not in _FUSED_LAYER_CLASSES:
-        _FUSED_LAYER_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                                "__qualname__": cls.__qualname__})
-    return _FUSED_LAYER_CLASSES[cls]
-
-
-# How many forwards of attention modules patched for rotary are running (a recomputation by
-# gradient checkpointing too): the family's apply_rotary_pos_emb runs pintail's kernel only
-# inside them, torch's elsewhere (an unpatched model of the same family in the process).
-_ROTARY_CALLS = [0]
-
-
-def _scoped_rotary(original):
-    """transformers' apply_rotary_pos_emb (`original`), on pintail's fused q/k kernel inside a
-    patched model's forward: cos and sin per token (batch, seq, rotary width), q and k (batch,
-    heads, seq, head_dim) for unsqueeze_dim 1 or (batch, seq, heads, head_dim) for 2; features
-    past the rotary width pass through (GPT-NeoX, Phi's partial rotary)."""
-
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if not _ROTARY_CALLS[0] or unsqueeze_dim not in (1, 2):
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return apply_rotary(q, k, cos, sin, layout="bhsd" if unsqueeze_dim == 1 else "bshd")
-
-    apply_rotary_pos_emb.pintail_original = original
-    return apply_rotary_pos_emb
-
-
-def _rotary_forward(original):
-    """An attention module's forward with pintail's rotary kernel on while it runs."""
-    def forward(*args, **kwargs):
-        _ROTARY_CALLS[0] += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _ROTARY_CALLS[0] -= 1
-
-    return forward
-
-
-def _own_class(module, names, by="__name__"):
-    """The class of `module` named in `names`, also under a wrapper's subclass of it (FSDP2's
-    fully_shard makes a LlamaDecoderLayer an FSDPLlamaDecoderLayer); None if none is."""
-    return next((cls for cls in type(module).__mro__ if getattr(cls, by) in names), None)
-
-
-def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True):
-    """Run pintail's kernels inside a Hugging Face causal LM (in place; returns the model).
-
-    - norms: each norm module of the family runs pintail.rms_norm / layer_norm with the
-      family's dtype rule (a forward swap: parameters, names and the state dict unchanged).
-    - rotary: the family's apply_rotary_pos_emb runs pintail.apply_rotary with the model's own
-      cos and sin while this model's forward runs (the function in the family's transformers
-      module is replaced by one that runs torch's original outside patched models).
-    - loss: with labels (and gradients on) the loss is pintail.linear_cross_entropy on the last
-      hidden state, no logits (None in the output); labels shifted as transformers does,
-      ignore_index -100, num_items_in_batch for gradient accumulation, Gemma's final-logit
-      softcapping, float32. Without labels (generate) the logits are as before.
-    - mlp: the gated MLPs (SwiGLU, Gemma's tanh GeGLU, Phi-3's fused gate_up) run pintail.swiglu /
-      geglu (a forward swap); an activation pintail does not have is left to torch, with a
-      warning that names it.
-    - residual (with norms): in each decoder layer the residual add that feeds a norm runs in
-      that norm's kernel, forward and backward (the layer becomes a subclass of its class, of
-      the same name, whose forward fuses them); a layer whose forward differs from the form
-      pintail rewrites stays as it is, with a warning.
-    The model may be wrapped: FSDP2's fully_shard, DDP's module, a PEFT model (its base model is
-    patched; an output head with LoRA adapters or in modules_to_save keeps its fused loss).
-    Supported: FAMILIES. An unsupported model, or a module or function the patch expects and
-    does not find, raises before anything is changed. Patching twice changes nothing more.
+    - norms: each norm module of the language model runs pintail.rms_norm / layer_norm under
+      the rule its class's forward follows (weight before or after the cast, 1 + weight, no
+      weight, gated by silu, LayerNorm, Nemotron's weight + 1): a forward swap, so
+      parameters, names and the state dict are unchanged.
+    - residual (with norms): in each decoder layer of a form pintail knows (pre-norm, with
+      dropouts, sandwich), the residual add that feeds a norm runs in that norm's kernel.
+    - mlp: gated MLPs (two projections or one fused gate_up) run pintail.swiglu / geglu.
+    - rotary: the model's apply_rotary_pos_emb (its form: halves, gpt-oss's half-width angles,
+      GLM's interleaved pairs; partial widths) runs pintail's kernel while this model's
+      attention runs (elsewhere torch's original).
+    - loss: with labels and gradients on, the loss is pintail.linear_cross_entropy inside the
+      output head's call, the logits never made (None in the output); the forward's
+      softcapping and logit multipliers go into it; the MoE auxiliary loss is added as the
+      model adds it. Without labels (generate) the logits are as before.
+    Each part is first run against the module it replaces on a small random input (values
+    and gradients to float32 rounding); a part that differs stays torch's. A warning names
+    where a family in FAMILIES differs from its entry, and what stays torch's in any other
+    family; with strict=True that is a RuntimeError, raised before anything changes. The model may be
+    wrapped (FSDP2, DDP's module, a PEFT model: its base model is patched). Patching twice
+    changes nothing more.
     """
-    model_class = _own_class(model, FAMILIES)
+    model_class = _transformers_class(model)
     if model_class is None and callable(getattr(model, "get_base_model", None)):
-        patch(model.get_base_model(), norms=norms, rotary=rotary, loss=loss, mlp=mlp, residual=residual)
+        patch(model.get_base_model(), norms=norms, rotary=rotary, loss=loss, mlp=mlp, residual=residual,
+              strict=strict)
         return model  # a PEFT model: its transformers model patched
-    name = (model_class or type(model)).__name__
-    family = FAMILIES.get(name)
-    if family is None:
-        raise TypeError(f"pintail.patch: {name} is not supported; supported: {', '.join(FAMILIES)}")
+    if model_class is None or not hasattr(model, "config"):
+        raise TypeError(f"pintail.patch: expected a Hugging Face transformers model, got {type(model).__name__}")
+    name = model_class.__name__
     done = getattr(model, "_pintail_patched", set())
     parts = (("norms", norms), ("rotary", rotary), ("loss", loss), ("mlp", mlp), ("residual", residual and norms))
     wanted = {part for part, on in parts if on} - done
-    modeling = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
-    changes = []
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    plan = _Plan()
+    rules = {}
     if "norms" in wanted:
-        found = [m for m in model.modules() if _own_class(m, family.norms)]
-        if not found:
-            raise RuntimeError(f"pintail.patch: {name} has no module of {sorted(family.norms)} to patch")
-        for m in found:
-            forward = types.MethodType(NORM_FORWARDS[family.norms[_own_class(m, family.norms).__name__]], m)
-            changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
-    if "residual" in wanted and family.layer is not None:
-        layer_class, form = family.layer
-        found = [m for m in model.modules() if _own_class(m, (layer_class,))]
-        if not found:
-            raise RuntimeError(f"pintail.patch: {name} has no {layer_class} module to patch")
-        if _layer_form_matches(_own_class(found[0], (layer_class,)), form):
-            layer_forward = _layer_forward(_own_class(found[0], (layer_class,)), form)
-            for m in found:
-                changes.append(lambda m=m, f=layer_forward: setattr(m, "__class__", _fused_layer_class(type(m), f)))
-        else:
-            warnings.warn(f"pintail.patch: {name}'s {layer_class}.forward is not the form pintail fuses ({form}); "
-                          f"its residual adds stay on torch", stacklevel=2)
-    if "mlp" in wanted and family.mlp is not None:
-        mlp_class, form = family.mlp
-        found = [m for m in model.modules() if _own_class(m, (mlp_class,))]
-        if not found:
-            raise RuntimeError(f"pintail.patch: {name} has no {mlp_class} module to patch")
-        config = getattr(model.config, "get_text_config", lambda: model.config)()
-        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        if activation in GATED_ACTIVATIONS:
-            act, options = GATED_ACTIVATIONS[activation]
-            for m in found:
-                forward = types.MethodType(_mlp_forward(form, act, options), m)
-                changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
-        else:
-            warnings.warn(f"pintail.patch: {name}'s MLP activation {activation!r} has no pintail kernel; its "
-                          f"{mlp_class} modules stay on torch", stacklevel=2)
+        rules = _plan_norms(plan, decoder)
+    if "residual" in wanted:
+        _plan_residual(plan, decoder, rules or _plan_norms(_Plan(), decoder))
+    if "mlp" in wanted:
+        _plan_mlp(plan, decoder, model.config)
+    if "rotary" in wanted:
+        _plan_rotary(plan, decoder)
     if "loss" in wanted:
-        head = model.get_output_embeddings()
-        if base_linear(head) is None:
-            raise RuntimeError(f"pintail.patch: {name}'s output head is {type(head).__name__}, expected nn.Linear "
-                               f"(or one that PEFT adapted)")
-        if "labels" not in inspect.signature(model.forward).parameters:
-            raise RuntimeError(f"pintail.patch: {name}.forward takes no labels")
-        softcap = getattr(model.config, "final_logit_softcapping", None)
-        changes.append(lambda: setattr(model, "forward", fused_loss_forward(model, model.forward, softcap)))
-        changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
-    if "rotary" in wanted and family.rotary:
-        original = getattr(modeling, "apply_rotary_pos_emb", None)
-        if not callable(original):
-            raise RuntimeError(f"pintail.patch: {name}: {modeling.__name__} has no apply_rotary_pos_emb to patch")
-        attention = [m for m in model.modules() if _own_class(m, (modeling.__name__,), "__module__")
-                     and "apply_rotary_pos_emb" in inspect.getsource(type(m).forward)]
-        if not attention:
-            raise RuntimeError(f"pintail.patch: {name} has no module whose forward calls apply_rotary_pos_emb")
-        if not hasattr(original, "pintail_original"):
-            changes.append(lambda: setattr(modeling, "apply_rotary_pos_emb", _scoped_rotary(original)))
-        for m in attention:
-            changes.append(lambda m=m: setattr(m, "forward", _rotary_forward(m.forward)))
-    for change in changes:
+        _plan_loss(plan, model, name)
+    _check(plan.summary, model.config.model_type, name, wanted, strict)
+    for change in plan.changes:
         change()
     model._pintail_patched = done | wanted
+    model.pintail_summary = _merge(getattr(model, "pintail_summary", None), plan.summary)
+    log.info("pintail.patch %s: %s", name, model.pintail_summary)
     return model
+
+
+PART_OF = {"norms": "norms", "residual": "residual", "mlp": "mlp", "experts": "mlp", "rotary": "rotary",
+           "loss": "loss", "norm": "norms"}
+
+
+def _check(summary, model_type, name, wanted, strict):
+    """Warn (strict: raise) where a family in FAMILIES differs from its entry, or where parts of
+    any other family stay torch's."""
+    expected = FAMILIES.get(model_type)
+    if expected is not None:
+        problems = [f"{part}: expected {expected[part]!r}, found {summary[part]!r}" for part in summary
+                    if part != "torch" and part in wanted and _form(summary[part]) != expected[part]]
+        message = f"{name} ({model_type}) differs from pintail's entry for its family: "
+    else:
+        problems = [f"{what} ({why})" for what, why in summary["torch"].items() if PART_OF[what.split()[0]] in wanted]
+        message = (f"{name} ({model_type}) is not in pintail's families; found by structure: "
+                   f"{ {k: v for k, v in summary.items() if k != 'torch'} }; left to torch: ")
+    if problems:
+        message = "pintail.patch: " + message + "; ".join(problems)
+        if strict:
+            raise RuntimeError(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _form(found):
+    """What an entry compares: the loss's kind without the config's options (softcap, scale)."""
+    return found.split(",")[0] if isinstance(found, str) else found
+
+
+def _merge(old, new):
+    if old is None:
+        return new
+    merged = {part: (dict(old[part], **new[part]) if isinstance(new[part], dict) else new[part] or old[part])
+              for part in new}
+    return merged
+
+
+def summary_of(model):
+    """What pintail.patch did to `model` (its summary), or None if it was not patched."""
+    return getattr(model, "pintail_summary", None)
+
+

@@ -1,0 +1,63 @@
+"""Gated MLPs: down(act(gate(x)) * up(x)) with gate and up as two projections or as the two
+halves of one (gate first), the activation SiLU, exact GELU or tanh GELU. A module class's
+form and activation are found by running its own forward and each candidate on a stand-in
+with small projections."""
+
+import torch
+
+from ..gated import geglu, swiglu
+from .verify import agree, stand_in
+
+# name -> (pintail function, its keyword arguments)
+ACTIVATIONS = {"silu": (swiglu, {}), "gelu": (geglu, {"approximate": "none"}),
+               "gelu_tanh": (geglu, {"approximate": "tanh"})}
+# the config's activation name -> the candidate tried first
+HINTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+         "gelu_fast": "gelu_tanh"}
+
+
+def gated_mlp_form(module):
+    """"separate" (gate_proj, up_proj, down_proj), "fused" (gate_up_proj, down_proj), or None:
+    the projections nn.Linear."""
+    linear = lambda name: isinstance(getattr(module, name, None), torch.nn.Linear)  # noqa: E731
+    if linear("down_proj") and linear("gate_proj") and linear("up_proj"):
+        return "separate"
+    if linear("down_proj") and linear("gate_up_proj"):
+        return "fused"
+    return None
+
+
+def mlp_forward(form, activation):
+    act, options = ACTIVATIONS[activation]
+    if form == "fused":
+        def forward(self, x):
+            return self.down_proj(act(self.gate_up_proj(x), **options))
+    else:
+        def forward(self, x):
+            return self.down_proj(act(self.gate_proj(x), self.up_proj(x), **options))
+    forward.pintail_activation = activation
+    return forward
+
+
+def find_activation(cls, module, form, hint=None):
+    """The activation under which mlp_forward(form, ·) computes what `cls.forward` computes on
+    a stand-in of `module` (hidden 16, intermediate 24), or None."""
+    hidden, inner = 16, 24
+
+    def small(name, n_in, n_out):
+        return torch.nn.Linear(n_in, n_out, bias=getattr(module, name).bias is not None)
+
+    children = {"down_proj": small("down_proj", inner, hidden)}
+    if form == "fused":
+        children["gate_up_proj"] = small("gate_up_proj", hidden, 2 * inner)
+    else:
+        children.update(gate_proj=small("gate_proj", hidden, inner), up_proj=small("up_proj", hidden, inner))
+    probe = stand_in(module, children)
+    parameters = [p for child in children.values() for p in child.parameters()]
+    x = torch.randn(2, 3, hidden)
+    order = sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint))
+    for name in order:
+        candidate = mlp_forward(form, name)
+        if agree(lambda t: cls.forward(probe, t), lambda t: candidate(probe, t), [x], parameters):
+            return name
+    return None
