@@ -1,8 +1,6 @@
 """pintail: memory-bound GPU kernels for language-model training, in Triton."""
 
-__version__ = "0.1.0"
-
-from . import hub, losses, nn  # noqa: E402 (hub reads __version__)
+from . import hub, losses, nn
 from .cross_entropy import cross_entropy
 from .distillation import linear_distillation_loss
 from .gated import geglu, swiglu
@@ -16,3 +14,4 @@ from .transformers import patch
 __all__ = ["apply_rotary", "cross_entropy", "geglu", "hub", "layer_norm", "linear_cross_entropy",
            "linear_distillation_loss", "linear_log_probs", "log_probs", "log_softmax", "losses", "nn", "patch",
            "rms_norm", "rotary", "softmax", "swiglu"]
+__version__ = "0.1.0"

@@ -16,7 +16,7 @@ LAYERS = (
     ("parallel",),
     ("cross_entropy", "softmax", "norm", "rotary", "gated", "log_probs", "distillation"),
     ("linear_cross_entropy",),
-    ("nn", "transformers", "losses"),
+    ("nn", "transformers", "hub", "losses"),
     ("__init__",),
     ("bench_heads",),
     ("bench_rl",),

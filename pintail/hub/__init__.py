@@ -12,22 +12,20 @@ import base64
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
-from .. import __version__
+from .modes import DEVICES, every_mode
+
 
 # transformers' layer name: pintail's class in pintail.hub.layers
 LAYERS = {"RMSNorm": "RMSNorm", "rotary_pos_emb": "ApplyRotaryPosEmb"}
-# CUDA runs the Triton kernels; the CPU runs pintail's torch path (or Triton's interpreter)
-DEVICES = ("cuda", "cpu")
 
 # A local kernel repository as `kernels` 0.19 loads one: build/<variant>/metadata.json and the
 # variant's __init__.py, imported as a module named by the metadata's id, whose `layers` holds
 # the layer classes. torch-universal is the variant of pure-Python kernels, taken on any system.
 _VARIANT = Path("build", "torch-universal")
 _INIT = "from pintail.hub import layers  # noqa: F401\n"
-_METADATA = {"id": "pintail_hub_" + re.sub(r"\W", "_", __version__), "name": "pintail", "version": 1,
+_METADATA = {"id": "pintail_hub", "name": "pintail", "version": 1,
              "license": "MIT", "python-depends": [], "backend": {"type": "cuda"},
              # the variant's files but this one (kernels warns at each load of a variant without it)
              "digest": {"algorithm": "sha256",
@@ -37,9 +35,10 @@ _FILES = {"__init__.py": _INIT, "metadata.json": json.dumps(_METADATA, indent=2)
 
 def repository(root=None) -> Path:
     """The path of pintail's local kernel repository, written under `root` (by default the
-    user's cache directory) when missing or stale: two small files that import pintail.hub.layers."""
+    user's cache directory) when missing or stale (rewritten where their text differs): two
+    small files that import pintail.hub.layers."""
     root = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pintail"
-    path = root / f"hub-{__version__}"
+    path = root / "hub"
     variant = path / _VARIANT
     variant.mkdir(parents=True, exist_ok=True)
     for name, text in _FILES.items():
@@ -53,20 +52,12 @@ def repository(root=None) -> Path:
     return path
 
 
-def _every_mode(repo):
-    """`repo` for each device in DEVICES and every kernelize mode (Mode.FALLBACK): pintail's
-    layers have a backward and compile."""
-    from kernels import Mode
-
-    return {device: {Mode.FALLBACK: repo} for device in DEVICES}
-
-
 def layer_mapping(layers=tuple(LAYERS), root=None):
     """A mapping for kernels.use_kernel_mapping / register_kernel_mapping, then kernels.kernelize."""
     from kernels import LocalLayerRepository
 
     path = repository(root)
-    return {name: _every_mode(LocalLayerRepository(path, layer_name=LAYERS[name])) for name in layers}
+    return {name: every_mode(LocalLayerRepository(path, layer_name=LAYERS[name])) for name in layers}
 
 
 def kernel_config(layers=tuple(LAYERS), root=None):

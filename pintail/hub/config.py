@@ -4,7 +4,7 @@ from pathlib import Path
 
 from transformers import KernelConfig
 
-from . import _every_mode
+from .modes import every_mode
 
 
 class PintailKernelConfig(KernelConfig):
@@ -31,5 +31,5 @@ class PintailKernelConfig(KernelConfig):
         for name, repo in self.kernel_mapping.items():
             # "path:Layer", or (that string, {"version": ...}) once from_pretrained has read it
             path, _, layer = (repo[0] if isinstance(repo, tuple) else repo).rpartition(":")
-            mapping[name] = _every_mode(LocalLayerRepository(Path(path), layer_name=layer))
+            mapping[name] = every_mode(LocalLayerRepository(Path(path), layer_name=layer))
         self.kernel_mapping = mapping
