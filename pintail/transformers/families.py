@@ -13,8 +13,8 @@ def _entry(norms="", residual="", mlp="", rotary="", loss=None, torch=""):
 
 
 FAMILIES = {
-    "granite": _entry(norms="GraniteRMSNorm: cast_then_weight", mlp="GraniteMLP: silu separate",
-        rotary="apply_rotary_pos_emb: half", loss="fused", torch="residual GraniteDecoderLayer"),
+    "granite": _entry(norms="GraniteRMSNorm: cast_then_weight", residual="GraniteDecoderLayer: pre_scaled",
+        mlp="GraniteMLP: silu separate", rotary="apply_rotary_pos_emb: half", loss="fused"),
     "llama": _entry(norms="LlamaRMSNorm: cast_then_weight", residual="LlamaDecoderLayer: pre",
         mlp="LlamaMLP: silu separate", rotary="apply_rotary_pos_emb: half", loss="fused"),
     "smollm3": _entry(norms="SmolLM3RMSNorm: cast_then_weight", residual="SmolLM3DecoderLayer: pre",

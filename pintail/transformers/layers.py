@@ -26,6 +26,10 @@ LAYER_FORMS = {
                      "hidden_states = self.post_attention_layernorm(hidden_states)",
                      "hidden_states, _ = self.mlp(hidden_states)",
                      "hidden_states = residual + hidden_states", "return hidden_states"],
+    "pre_scaled": ["hidden_states = residual + hidden_states * self.residual_multiplier", "residual = hidden_states",
+                   "hidden_states = self.post_attention_layernorm(hidden_states)",
+                   "hidden_states = self.mlp(hidden_states)",
+                   "hidden_states = residual + hidden_states * self.residual_multiplier", "return hidden_states"],
     "pre_dropout": ["hidden_states = residual + self.resid_attn_dropout(hidden_states)", "residual = hidden_states",
                     "hidden_states = self.post_attention_layernorm(hidden_states)",
                     "hidden_states = self.mlp(hidden_states)",
@@ -92,10 +96,14 @@ def layer_forward(layer_class, form):
             return residual + post_mlp(self.mlp(normed))
         if form == "pre_dropout":
             attended = self.resid_attn_dropout(attended)
+        if form == "pre_scaled":  # Granite
+            attended = attended * self.residual_multiplier
         normed, residual = self.post_attention_layernorm(attended, residual=residual)
         out = self.mlp(normed)
         if form == "pre_mlp_pair":
             out = out[0]
+        if form == "pre_scaled":
+            return residual + out * self.residual_multiplier
         return residual + (self.resid_mlp_dropout(out) if form == "pre_dropout" else out)
 
     return forward
