@@ -1,6 +1,6 @@
 """Run the CUDA test suite on a GPU machine, a few test files at a time, saving as it goes.
 
-    python tools/gpu_check.py [--part K/N] [--files a.py,b.py] [--workers W] [--sanitize] [--out DIR]
+    python tools/gpu_check.py [--part K/N] [--files a.py,b.py | --exclude c.py] [--workers W] [--sanitize] [--out DIR]
     python tools/gpu_check.py --sanitize --files none
 
 Each costly test file runs in its own pytest, the part's small files in one more (starting
@@ -63,6 +63,7 @@ def parse_args():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", default="1/1", help="K/N: run the K-th of N parts of the files")
     parser.add_argument("--files", default="", help="comma-separated test files (default: all)")
+    parser.add_argument("--exclude", default="", help="comma-separated test files to leave out of the default")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                         help="pytest-xdist workers a file (default: the cores, at most 16)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds one pytest may take")
@@ -90,8 +91,9 @@ def choose_stages(args):
     """The part's pytest runs: (name, files), the costliest files alone, the small ones together."""
     if args.files == "none":
         return []
+    left_out = set(args.exclude.split(","))
     files = [name for name in args.files.split(",") if name] or \
-        sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
+        sorted(path.name for path in (ROOT / "tests").glob("test_*.py") if path.name not in left_out)
     part, parts = (int(number) for number in args.part.split("/"))
     if not 1 <= part <= parts:
         sys.exit(f"--part {args.part}: expected K/N with 1 <= K <= N")
