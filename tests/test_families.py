@@ -119,3 +119,14 @@ def test_registered_family_that_changed(monkeypatch):
     with pytest.warns(UserWarning, match="differs from pintail's entry.*LlamaRMSNorm"):
         pintail.patch(model)
     assert model.pintail_summary["norms"] == {"LlamaRMSNorm": "cast_then_weight"}  # what it is, verified
+
+
+def test_rotary_attribute_keeps_its_kind():
+    """The patch leaves the family's rotary attribute of the kind transformers made it (a
+    function, or with the `kernels` package a module its hub decorators check), so a model of
+    the family built later still loads."""
+    modeling = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+    kind = type(modeling.apply_rotary_pos_emb)
+    pintail.patch(tiny_model("gpt_oss"))
+    assert type(modeling.apply_rotary_pos_emb) is kind
+    tiny_model("gpt_oss")

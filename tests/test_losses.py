@@ -136,16 +136,16 @@ def test_bad_arguments(device):
     with pytest.raises(ValueError, match="even number of rows"):
         L.simpo_loss(x[:3], W, t[:3])
     with pytest.raises(ValueError, match="ref_chosen_logps must be a tensor of one log-probability per pair"):
-        L.dpo_loss(x, W, t, torch.zeros(3), torch.zeros(2))
+        L.dpo_loss(x, W, t, torch.zeros(3, device=device), torch.zeros(2, device=device))
     with pytest.raises(ValueError, match=r"input must be \(batch, seq, hidden\)"):
         L.orpo_loss(x[0], W, t[0])
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         L.cpo_loss(x, W, t, label_smoothing=0.5)
     with pytest.raises(ValueError, match="desirable must be a bool tensor"):
-        L.kto_loss(x, W, t, torch.zeros(B), torch.ones(B))
+        L.kto_loss(x, W, t, torch.zeros(B, device=device), torch.ones(B, device=device))
     with pytest.raises(ValueError, match="pass ref_log_probs"):
-        L.grpo_loss(x, W, t, torch.zeros(B))
+        L.grpo_loss(x, W, t, torch.zeros(B, device=device))
     with pytest.raises(ValueError, match="advantages must be a tensor of one value a row"):
-        L.grpo_loss(x, W, t, torch.zeros(B, T), beta=0.0)
+        L.grpo_loss(x, W, t, torch.zeros(B, T, device=device), beta=0.0)
     with pytest.raises(ValueError, match="loss_type must be"):
-        L.grpo_loss(x, W, t, torch.zeros(B), beta=0.0, loss_type="seq")
+        L.grpo_loss(x, W, t, torch.zeros(B, device=device), beta=0.0, loss_type="seq")

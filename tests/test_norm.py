@@ -950,7 +950,7 @@ def test_rms_residual_forward_across_a_cluster(cfg, N, dtype, residual_dtype, cl
     h64 = h_want.double()
     rstd64 = 1 / torch.sqrt(h64.pow(2).mean(-1) + 1e-6)
     assert_matches(y, h64 * rstd64[:, None] * w.double(), F.rms_norm(h_want, (N,), w.to(h_want.dtype), 1e-6),
-                   unit=1.0)
+                   scale=1.0)
     torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
 
 

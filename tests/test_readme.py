@@ -18,11 +18,16 @@ def blocks(heading):
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+def importable():
+    """The environment with this checkout's pintail importable, installed or not."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(README.parent), os.environ.get("PYTHONPATH")])))
+
+
 def run(block, tmp_path):
     """What the block prints, as numbers, run in a fresh interpreter from the README's folder."""
     script = tmp_path / "block.py"
     script.write_text(block)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=dict(os.environ),
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=importable(),
                           cwd=README.parent, timeout=600)
     assert done.returncode == 0, done.stderr
     return [float(v) for v in done.stdout.split()]
@@ -57,5 +62,5 @@ def test_family_table_is_the_registry():
     pintail.transformers.FAMILIES."""
     pytest.importorskip("transformers")
     tool = pathlib.Path(__file__).resolve().parent.parent / "tools" / "family_table.py"
-    result = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, env=importable())
     assert result.returncode == 0, result.stdout + result.stderr

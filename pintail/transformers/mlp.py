@@ -6,6 +6,7 @@ with small projections."""
 import torch
 
 from ..gated import geglu, swiglu
+from .loss import base_linear
 from .verify import agree, stand_in
 
 # name -> (pintail function, its keyword arguments)
@@ -18,8 +19,11 @@ HINTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "
 
 def gated_mlp_form(module):
     """"separate" (gate_proj, up_proj, down_proj), "fused" (gate_up_proj, down_proj), or None:
-    the projections nn.Linear."""
-    linear = lambda name: isinstance(getattr(module, name, None), torch.nn.Linear)  # noqa: E731
+    the projections nn.Linear (or one that PEFT adapted)."""
+    def linear(name):
+        child = getattr(module, name, None)
+        return isinstance(child, torch.nn.Module) and base_linear(child) is not None
+
     if linear("down_proj") and linear("gate_proj") and linear("up_proj"):
         return "separate"
     if linear("down_proj") and linear("gate_up_proj"):
@@ -45,7 +49,7 @@ def find_activation(cls, module, form, hint=None):
     hidden, inner = 16, 24
 
     def small(name, n_in, n_out):
-        return torch.nn.Linear(n_in, n_out, bias=getattr(module, name).bias is not None)
+        return torch.nn.Linear(n_in, n_out, bias=base_linear(getattr(module, name)).bias is not None)
 
     children = {"down_proj": small("down_proj", inner, hidden)}
     if form == "fused":

@@ -139,9 +139,7 @@ def _plan_rotary(plan, decoder):
                     plan.keep(f"rotary {name}", "its form has no pintail kernel")
                     continue
                 plan.summary["rotary"][name] = forms[key]
-                if not hasattr(function, "pintail_original"):
-                    plan.changes.append(lambda p=python_module, n=name, f=function, form=forms[key]:
-                                        setattr(p, n, rotaries.scoped(f, form)))
+                plan.changes.append(lambda p=python_module, n=name, form=forms[key]: rotaries.install(p, n, form))
         if any(forms.get(key) for key in functions):
             attention.append(m)
     for m in attention:

@@ -117,17 +117,29 @@ def find_form(function):
     return None
 
 
-def scoped(original, form):
-    """`original` (a module's rotary attribute) replaced by pintail's kernel inside patched
-    attention forwards."""
-    ours = candidate(underlying(original), form)
+def install(python_module, name, form):
+    """Replace the rotary function `name` of `python_module` by pintail's kernel inside patched
+    attention forwards (torch's elsewhere): the module attribute where it is a function; where
+    the `kernels` package wrapped it in a module (transformers' hub decorator), that module's
+    forward, so that the attribute stays what transformers' decorators expect."""
+    target = getattr(python_module, name)
+    if isinstance(target, torch.nn.Module):
+        if not hasattr(target.__dict__.get("forward"), "pintail_original"):
+            own = type(target).forward
+            target.forward = _scoped(lambda *args, **kwargs: own(target, *args, **kwargs), underlying(target), form)
+    elif not hasattr(target, "pintail_original"):
+        setattr(python_module, name, _scoped(target, target, form))
 
-    def function(*args, **kwargs):
+
+def _scoped(original, function, form):
+    ours = candidate(function, form)
+
+    def scoped(*args, **kwargs):
         return (ours if _CALLS[0] else original)(*args, **kwargs)
 
-    function.pintail_original = original
-    function.__name__ = underlying(original).__name__
-    return function
+    scoped.pintail_original = original
+    scoped.__name__ = function.__name__
+    return scoped
 
 
 def attention_forward(original):
