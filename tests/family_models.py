@@ -189,8 +189,8 @@ def _sub_config(composite, key, sizes, overrides):
 def tiny_config(model_type):
     entry = copy.deepcopy(FAMILIES[model_type])  # configs may edit the lists they are given
     config_class = CONFIG_MAPPING[model_type]
-    # the plain torch forms the modeling files spell out: eager attention, the per-expert loop for MoE
-    common = dict(attn_implementation="eager", experts_implementation="eager", dtype="float32")
+    # eager attention (the plain torch form); experts as transformers runs them by default (grouped)
+    common = dict(attn_implementation="eager", dtype="float32")
     if not config_class.sub_configs_defaults:
         return config_class(**{**_fitting(config_class, TEXT), **entry.get("text", {}), **common})
     top = _fitting(config_class, TEXT)

@@ -3,6 +3,8 @@ halves of one (gate first), the activation SiLU, exact GELU or tanh GELU. A modu
 form and activation are found by running its own forward and each candidate on a stand-in
 with small projections."""
 
+import copy
+
 import torch
 
 from ..gated import geglu, swiglu
@@ -58,10 +60,43 @@ def find_activation(cls, module, form, hint=None):
         children.update(gate_proj=small("gate_proj", hidden, inner), up_proj=small("up_proj", hidden, inner))
     probe = stand_in(module, children)
     parameters = [p for child in children.values() for p in child.parameters()]
-    x = torch.randn(2, 3, hidden)
+    x = _wide_range(2, 3, hidden)
     order = sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint))
     for name in order:
         candidate = mlp_forward(form, name)
         if agree(lambda t: cls.forward(probe, t), lambda t: candidate(probe, t), [x], parameters):
             return name
     return None
+
+
+def gate_function(activation):
+    """A mixture-of-experts module's _apply_gate (transformers' grouped and batched experts
+    paths call it on each token's gate_up projection, gate first) on pintail's fused activation."""
+    act, options = ACTIVATIONS[activation]
+
+    def apply_gate(self, gate_up):
+        return act(gate_up, **options)
+    apply_gate.pintail_activation = activation
+    return apply_gate
+
+
+def find_gate_activation(cls, module, hint=None):
+    """The activation under which gate_function computes what `cls._apply_gate` computes (on
+    a copy of the module without its parameters: the gate reads none), or None."""
+    probe = copy.copy(module)
+    probe._parameters = {}
+    x = _wide_range(5, 2 * 12)
+    order = sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint))
+    for name in order:
+        candidate = gate_function(name)
+        if agree(lambda t: cls._apply_gate(probe, t), lambda t: candidate(probe, t), [x]):
+            return name
+    return None
+
+
+def _wide_range(*shape):
+    """Random inputs with some large entries: a clamp inside a module's activation (DeepSeek-V4's
+    and gpt-oss's swiglu_limit) acts only on values past it."""
+    x = torch.randn(*shape) * 3
+    x.view(-1)[::7] *= 40
+    return x

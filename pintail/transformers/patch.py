@@ -117,10 +117,24 @@ def _plan_mlp(plan, decoder, config):
         if found[cls] is not None:
             forward = types.MethodType(mlps.mlp_forward(form, found[cls]), m)
             plan.changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+    gates = {}
+    for m in decoder.modules():
+        cls = _transformers_class(m)
+        if cls is None or not callable(getattr(cls, "_apply_gate", None)) or not getattr(m, "has_gate", False):
+            continue
+        if cls not in gates:
+            gates[cls] = mlps.find_gate_activation(cls, m, hint if isinstance(hint, str) else None)
+            if gates[cls] is None:
+                plan.keep(f"experts {cls.__name__}", "its gate has no pintail kernel")
+            else:
+                plan.summary["mlp"][cls.__name__] = f"{gates[cls]} experts"
+        if gates[cls] is not None:
+            gate = types.MethodType(mlps.gate_function(gates[cls]), m)
+            plan.changes.append(lambda m=m, gate=gate: setattr(m, "_apply_gate", gate))
     for m in decoder.modules():
         name = type(m).__name__
-        if name.endswith("Experts") and f"experts {name}" not in plan.summary["torch"]:
-            plan.keep(f"experts {name}", "mixture-of-experts experts stay torch's")
+        if name.endswith("Experts") and _transformers_class(m) not in gates:
+            plan.keep(f"experts {name}", "mixture-of-experts experts of a form pintail has no kernel for")
 
 
 def _plan_rotary(plan, decoder):
