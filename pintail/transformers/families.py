@@ -77,7 +77,7 @@ FAMILIES = {
     "glm4": _entry(norms="Glm4RMSNorm: cast_then_weight", residual="Glm4DecoderLayer: sandwich_glm",
         mlp="Glm4MLP: silu fused", rotary="apply_rotary_pos_emb: interleaved", loss="fused"),
     "glm4v": _entry(norms="Glm4vRMSNorm: cast_then_weight", residual="Glm4vTextDecoderLayer: sandwich_glm",
-        mlp="Glm4vTextMLP: silu fused", loss="fused", torch="rotary apply_rotary_pos_emb"),
+        mlp="Glm4vTextMLP: silu fused", rotary="apply_rotary_pos_emb: interleaved_columns", loss="fused"),
     "glm4v_moe": _entry(norms="Glm4vMoeTextRMSNorm: cast_then_weight; Glm4vMoeRMSNorm: cast_then_weight",
         residual="Glm4vMoeTextDecoderLayer: pre",
         mlp="Glm4vMoeTextMLP: silu separate; Glm4vMoeTextExperts: silu experts", rotary="apply_rotary_pos_emb: half",
@@ -105,7 +105,8 @@ FAMILIES = {
         loss="fused"),
     "deepseek_v4": _entry(
         norms="DeepseekV4RMSNorm: weight_then_cast; DeepseekV4UnweightedRMSNorm (no weight): unweighted",
-        loss="fused", torch="mlp DeepseekV4MLP; experts DeepseekV4Experts; rotary apply_rotary_pos_emb"),
+        rotary="apply_rotary_pos_emb: interleaved_tail", loss="fused",
+        torch="mlp DeepseekV4MLP; experts DeepseekV4Experts"),
     "exaone4": _entry(norms="Exaone4RMSNorm: cast_then_weight", mlp="Exaone4MLP: silu separate",
         rotary="apply_rotary_pos_emb: half", loss="fused"),
     "gpt2": _entry(norms="LayerNorm: layer_norm", loss="fused"),

@@ -19,21 +19,33 @@ KNOWN_PARAMETERS = {"cos", "sin", "position_ids", "unsqueeze_dim"}
 
 def _half(cos, sin):
     """Llama / GPT-NeoX: pairs (i, i + w/2) over the first w = cos width features."""
-    return cos, sin, False
+    return cos, sin, False, False
 
 
 def _half_width(cos, sin):
     """gpt-oss: the same rotation, cos and sin given for the first half of the pairs only."""
-    return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), False
+    return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), False, False
 
 
 def _interleaved(cos, sin):
     """GLM-4: pairs (2i, 2i + 1) over the first w features, their angles the first w/2 columns."""
     half = cos.shape[-1] // 2
-    return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True
+    return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True, False
 
 
-FORMS = {"half": _half, "half_width": _half_width, "interleaved": _interleaved}
+def _interleaved_columns(cos, sin):
+    """GLM-4V: pairs (2i, 2i + 1), each feature its own column of cos and sin."""
+    return cos, sin, True, False
+
+
+def _interleaved_tail(cos, sin):
+    """DeepSeek-V4: pairs (2i, 2i + 1) over the last 2w features, a column a pair."""
+    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True, True
+
+
+# name -> (cos, sin) -> (cos, sin, interleaved, on the last features rather than the first)
+FORMS = {"half": _half, "half_width": _half_width, "interleaved": _interleaved,
+         "interleaved_columns": _interleaved_columns, "interleaved_tail": _interleaved_tail}
 
 
 def rotary_functions(module_class):
@@ -82,8 +94,13 @@ def candidate(function, form):
         unsqueeze_dim = arguments.arguments.get("unsqueeze_dim", 1)
         if arguments.arguments.get("position_ids") is not None or unsqueeze_dim not in (1, 2):
             return function(*args, **kwargs)
-        cos, sin, interleaved = FORMS[form](arguments.arguments["cos"], arguments.arguments["sin"])
+        cos, sin, interleaved, tail = FORMS[form](arguments.arguments["cos"], arguments.arguments["sin"])
         layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+        if tail:  # rotate the last features: the leading ones pass through, joined after
+            width = cos.shape[-1]
+            rotated = [rotary(x[..., -width:], cos, sin, layout=layout, interleaved=True) for x in values[:arity]]
+            joined = [torch.cat((x[..., :-width], r), -1) for x, r in zip(values, rotated)]
+            return joined[0] if arity == 1 else tuple(joined)
         if arity == 1:
             return rotary(values[0], cos, sin, layout=layout, interleaved=interleaved)
         return apply_rotary(values[0], values[1], cos, sin, layout=layout, interleaved=interleaved)
@@ -93,7 +110,7 @@ def candidate(function, form):
 
 def find_form(function):
     """The FORMS entry under which pintail computes what `function` computes, for every
-    layout and rotary width it accepts (q and k of 16 features, cos of 16 or 8), or None."""
+    layout and rotary width it accepts (q and k of 32 features, cos of 32, 16 or 8), or None."""
     from .verify import agree
 
     arity = _arity(function)
@@ -103,8 +120,8 @@ def find_form(function):
     for form in FORMS:
         results = []
         for unsqueeze_dim in ((1, 2) if takes_layout else (None,)):
-            for width in (16, 8):
-                shape = (2, 3, 5, 16) if unsqueeze_dim in (1, None) else (2, 5, 3, 16)
+            for width in (32, 16, 8):
+                shape = (2, 3, 5, 32) if unsqueeze_dim in (1, None) else (2, 5, 3, 32)
                 tensors = [torch.randn(shape), torch.randn(shape[:1] + (1,) + shape[2:] if unsqueeze_dim != 2
                                                            else shape[:2] + (1,) + shape[3:])][:arity]
                 cos, sin = torch.randn(2, 5, width), torch.randn(2, 5, width)
