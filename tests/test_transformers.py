@@ -193,7 +193,7 @@ def test_loud_failures_and_repeat(device, monkeypatch):
     forward = model.forward
     monkeypatch.setitem(pintail.transformers.FAMILIES, "llama",
                         {**pintail.transformers.FAMILIES["llama"], "norms": {"NoSuchNorm": "cast_then_weight"}})
-    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM \(llama\) differs .*NoSuchNorm"):
+    with pytest.raises(RuntimeError, match=r"LlamaForCausalLM: differs from pintail's entry for llama: .*NoSuchNorm"):
         pintail.patch(model, strict=True)
     assert model.forward == forward and not hasattr(model, "_pintail_patched")  # nothing changed
     monkeypatch.undo()

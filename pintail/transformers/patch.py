@@ -196,8 +196,9 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True,
       model adds it. Without labels (generate) the logits are as before.
     Each part is first run against the module it replaces on a small random input (values
     and gradients to float32 rounding); a part that differs stays torch's. A warning names
-    where a family in FAMILIES differs from its entry, and what stays torch's in any other
-    family; with strict=True that is a RuntimeError, raised before anything changes. The model may be
+    what stays torch's, where a family in FAMILIES differs from its entry, and what a family
+    not in it was found to have; with strict=True that is a RuntimeError, raised before
+    anything changes. The model may be
     wrapped (FSDP2, DDP's module, a PEFT model: its base model is patched). Patching twice
     changes nothing more.
     """
@@ -239,19 +240,22 @@ PART_OF = {"norms": "norms", "residual": "residual", "mlp": "mlp", "experts": "m
 
 
 def _check(summary, model_type, name, wanted, strict):
-    """Warn (strict: raise) where a family in FAMILIES differs from its entry, or where parts of
-    any other family stay torch's."""
+    """Warn (strict: raise) where parts stay torch's and where a family in FAMILIES differs
+    from its entry; a family not in it is named as found by structure."""
     expected = FAMILIES.get(model_type)
-    if expected is not None:
-        problems = [f"{part}: expected {expected[part]!r}, found {summary[part]!r}" for part in summary
-                    if part != "torch" and part in wanted and _form(summary[part]) != expected[part]]
-        message = f"{name} ({model_type}) differs from pintail's entry for its family: "
-    else:
-        problems = [f"{what} ({why})" for what, why in summary["torch"].items() if PART_OF[what.split()[0]] in wanted]
-        message = (f"{name} ({model_type}) is not in pintail's families; found by structure: "
-                   f"{ {k: v for k, v in summary.items() if k != 'torch'} }; left to torch: ")
+    problems = [f"differs from pintail's entry for {model_type}: {part}: expected {expected[part]!r}, "
+                f"found {summary[part]!r}" for part in summary
+                if expected is not None and part != "torch" and part in wanted and _form(summary[part]) != expected[part]]
+    left = [f"{what} ({why})" for what, why in summary["torch"].items() if PART_OF[what.split()[0]] in wanted]
+    if left:
+        problems.append("left to torch: " + "; ".join(left))
+    if expected is None:
+        found = {k: v for k, v in summary.items() if k != "torch"}
+        log.info("pintail.patch: %s: %s is not in pintail's families; found by structure: %s", name, model_type, found)
+        if problems:
+            problems.insert(0, f"{model_type} is not in pintail's families; found by structure: {found}")
     if problems:
-        message = "pintail.patch: " + message + "; ".join(problems)
+        message = f"pintail.patch: {name}: " + "; ".join(problems)
         if strict:
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=3)
