@@ -8,6 +8,7 @@ however small the entries it touches (tests/test_helpers.py feeds it such corrup
 """
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # One unit in the last place at 1 (the machine epsilon) of each output dtype: an output
 # rounded once to nearest errs by half of it; the bound leaves as much again for the float32
@@ -104,3 +105,19 @@ def line_aligned_rows(n, width, offset=0, dtype=torch.bfloat16, device="cpu"):
     wide = torch.empty(4, width + 64, dtype=dtype, device=device)
     wide = wide[:, (-wide.data_ptr() % 128) // wide.element_size():]
     return wide[:, offset:offset + n]
+
+
+class GemmFlops(TorchDispatchMode):
+    """2 m n k of every matrix product (mm, addmm, in place or out= too) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            matrices = [a for a in args if isinstance(a, torch.Tensor)]  # out_dtype's overload ends in a dtype
+            a, b = matrices[-2:] if name != "mm" else matrices[:2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pintail
-from helpers import DTYPES, RTOL
+from helpers import DTYPES, RTOL, GemmFlops
 
 api = importlib.import_module("pintail.linear_cross_entropy.api")
 chunks = importlib.import_module("pintail._loss.chunks")
@@ -558,22 +558,6 @@ def test_gemm_flops_of_each_plan(dtype, plan, gemms, device):
             budget = M * plans.buffer_columns(V) * x.element_size()
             pintail.linear_cross_entropy(x, W, t, memory_budget=budget).backward()
     assert counter.flops == gemms * 2 * M * V * K
-
-
-class GemmFlops(TorchDispatchMode):
-    """2 m n k of every matrix product (mm, addmm, in place or out= too) while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in ("mm", "addmm", "addmm_"):
-            matrices = [a for a in args if isinstance(a, torch.Tensor)]  # out_dtype's overload ends in a dtype
-            a, b = matrices[-2:] if name != "mm" else matrices[:2]
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.kernels_only

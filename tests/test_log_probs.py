@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pintail
-from helpers import DTYPES
+from helpers import DTYPES, GemmFlops
 from test_linear_cross_entropy import RecordAllocations
 
 api = importlib.import_module("pintail.log_probs.api")
@@ -143,15 +143,19 @@ def head(M, K, V, dtype, device, bias=False):
     return x, W, b
 
 
+@pytest.mark.parametrize("plan", ["chunks", "kept logits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("options, bias", list(zip(OPTIONS, [False, True, False, True, True])), ids=lambda v: str(v))
-def test_linear_log_probs_matches_torch(dtype, options, bias, device):
-    """Token chunks of 16 rows over 37 (a ragged last one), a 3-D input, V = 300 (no multiple of 64)."""
+def test_linear_log_probs_matches_torch(dtype, options, bias, plan, device):
+    """Token chunks of 16 rows over 37 (a ragged last one), or the whole logits kept from the
+    forward to the backward; a 3-D input, V = 300 (no multiple of 64)."""
     M, K, V = 37, 24, 300
     x, W, b = head(M, K, V, dtype, device, bias)
     x3 = x.view(1, M, K)
     t = targets((1, M), V, device)
     budget = 16 * 320 * x.element_size() + (320 * K * 4 if dtype != torch.float32 else 0)
+    if plan == "kept logits":
+        budget = M * 320 * x.element_size()
     ours = pintail.linear_log_probs(x3, W, t, linear_bias=b, memory_budget=budget, **options)
     sources64 = [s.detach().double().requires_grad_() for s in (x, W, b) if s is not None]
     logits = F.linear(sources64[0], sources64[1], sources64[2] if bias else None).view(1, M, V)
@@ -182,6 +186,33 @@ def test_linear_log_probs_workspace_and_launches(device, monkeypatch):
     assert all(elements < M * V for _, elements, _ in record.workspace(lp, H, *grads))
     assert record.peak <= budget + 4 * (3 * M + 4 * M) + V * K * 4 + M * K * 4  # + rows' outputs, dW and dx
     assert launched == ["_forward_kernel"] * 3 + ["_backward_kernel"] * 3
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_linear_log_probs_kept_logits_three_gemms(entropy, device):
+    """A budget of the whole logits: one GEMM forward, two backward (dx, dW), where the token
+    chunks make the logits again (four); the same values and gradients as the chunks; a
+    second backward raises, naming the budget."""
+    M, K, V = 40, 16, 256
+    x, W, b = head(M, K, V, torch.float32, device, bias=True)
+    t = targets((M,), V, device)
+    with GemmFlops() as counter:
+        lp, H = pintail.linear_log_probs(x, W, t, linear_bias=b, return_entropy=True, memory_budget=M * V * 4)
+        out = lp + H if entropy else lp
+        grads = torch.autograd.grad(out.sum(), (x, W, b), retain_graph=True)
+    assert counter.flops == 3 * 2 * M * V * K
+    with GemmFlops() as counter:  # the token chunks' op, whose GEMMs run inside it
+        lp2, H2, stats = api._head_forward(x.detach(), W.detach(), b.detach(), t, -100, 1.0, 0.0, True, 16)
+        ones = torch.ones(M, device=device)
+        grads2 = api._head_backward(ones, ones if entropy else torch.zeros(M, device=device), x.detach(), W.detach(),
+                                    b.detach(), t, stats, H2, -100, 1.0, 0.0, True, 16, True, True, True)
+    assert counter.flops == 4 * 2 * M * V * K
+    torch.testing.assert_close(lp, lp2)
+    torch.testing.assert_close(H, H2)
+    for g, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="second backward through a call whose memory_budget kept the logits"):
+        torch.autograd.grad(out.sum(), (x, W, b))
 
 
 def test_linear_log_probs_autocast_float32_head(device):

@@ -212,6 +212,58 @@ def _head_backward_of_op(ctx, grad_lp, grad_H, _stats):
 _head_forward_op.register_autograd(_head_backward_of_op, setup_context=_head_setup)
 
 
+class _KeptLogits(torch.autograd.Function):
+    """The budget holds the whole logits: the forward keeps them (one GEMM), and the backward
+    writes their gradient over them and takes dx, dW and db from it: three GEMMs, as the
+    composition, where the token chunks make each chunk's logits again (four). A log-prob's
+    upstream gradient is known only in the backward, so the logits themselves are what is
+    kept. Eager only: under torch.compile the write into a tensor the forward kept would be
+    copied by functionalization."""
+
+    @staticmethod
+    def forward(ctx, x, linear_weight, linear_bias, target, options):
+        ignore_index, temperature, softcap, entropy, _ = options
+        M, V = x.shape[0], linear_weight.shape[0]
+        lp, H, stats = _outputs(x, M, entropy)
+        head, bias = chunks.padded_head(linear_weight, linear_bias, x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = torch.mm(x, head.t()) if bias is None else torch.addmm(bias, x, head.t())
+            _rows_forward(logits[:, :V], target, ignore_index, temperature, softcap, entropy, lp, H, stats)
+        ctx.save_for_backward(x, linear_weight, target, stats, H)
+        ctx.logits, ctx.options, ctx.has_bias = logits, options, linear_bias is not None
+        ctx.mark_non_differentiable(stats)
+        return lp, H, stats
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_H, _stats):
+        if ctx.logits is None:
+            raise RuntimeError("pintail.linear_log_probs: a second backward through a call whose memory_budget kept "
+                               "the logits (their gradient was written over them); use a smaller budget with "
+                               "retain_graph")
+        x, linear_weight, target, stats, H = ctx.saved_tensors
+        logits, ctx.logits = ctx.logits, None
+        ignore_index, temperature, softcap, entropy, _ = ctx.options
+        V = linear_weight.shape[0]
+        grad_lp, grad_H = _row_grads(grad_lp, grad_H, x.shape[0], stats.dtype, entropy)
+        need = ctx.needs_input_grad
+        with torch.autocast(x.device.type, enabled=False):
+            _rows_backward(logits[:, :V], logits[:, :V], target, stats, H, grad_lp, grad_H if entropy else grad_lp,
+                           ignore_index, temperature, softcap, entropy)
+            dx = logits @ chunks.padded_head(linear_weight, None, x.dtype)[0] if need[0] else None
+            dW = (logits.t() @ x)[:V].to(linear_weight.dtype) if need[1] else None
+            db = logits[:, :V].sum(0, dtype=stats.dtype).to(linear_weight.dtype) if need[2] and ctx.has_bias else None
+        return (*no_second_derivative((dx, dW, db), x, linear_weight, grad_lp, grad_H), None, None)
+
+
+def _keeps_logits(x, linear_weight, linear_bias, memory_budget):
+    """Whether the budget holds the whole logits and a backward will want them (eager)."""
+    if memory_budget is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    if not any(t is not None and t.requires_grad for t in (x, linear_weight, linear_bias)):
+        return False
+    return memory_budget >= x.shape[0] * loss_plans.buffer_columns(linear_weight.shape[0]) * x.element_size()
+
+
 # ------------------------------------------------------- a vocabulary split over ranks
 
 
@@ -341,7 +393,9 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
       (summed in float32) from it: four GEMMs in all, no (*, classes) tensor.
     - memory_budget: bytes of workspace (the chunk's logits, and the float32 (classes,
       hidden) sum of dW for a 16-bit head whose gradient is wanted): as many rows a chunk as
-      fit. None: 1024 rows. Below the least: ValueError.
+      fit. None: 1024 rows. Below the least: ValueError. A budget that holds the whole
+      logits keeps them from the forward to the backward in eager mode (three GEMMs, as the
+      composition; a second backward then raises).
     - process_group: a head split over the group's ranks by rows of the vocabulary, as
       linear_cross_entropy takes it: linear_weight and linear_bias are this rank's rows (in
       rank order), input and target the same on every rank. Every rank returns lp and H over
@@ -358,10 +412,13 @@ def linear_log_probs(input, linear_weight, target, *, linear_bias=None, temperat
     input, linear_bias = autocast_head(input, linear_bias)
     (V, K), M = linear_weight.shape, input.numel() // max(input.shape[-1], 1)
     x = input.reshape(M, K)
-    rows = head_rows(name, M, V, K, x, linear_weight, memory_budget, buffers=1)
+    kept = process_group is None and _keeps_logits(x, linear_weight, linear_bias, memory_budget)
+    rows = 0 if kept else head_rows(name, M, V, K, x, linear_weight, memory_budget, buffers=1)
     t = target.reshape(-1).contiguous()
     options = (ignore_index, float(temperature), float(softcap or 0.0), bool(return_entropy), rows)
-    if process_group is not None:
+    if kept:
+        lp, H, _ = _KeptLogits.apply(x, linear_weight.contiguous(), linear_bias, t, options)
+    elif process_group is not None:
         first_class, num_classes = parallel.vocabulary_slice(process_group, V, name)
         lp, H, _ = _ParallelHead.apply(x, linear_weight, linear_bias, t, options, first_class, num_classes,
                                        process_group)
