@@ -18,7 +18,7 @@ WORDS = {"cast_then_weight": "cast, then weight", "weight_then_cast": "weight, t
          "pre": "pre-norm", "pre_mlp_pair": "pre-norm", "pre_dropout": "pre-norm, dropouts", "pre_scaled": "pre-norm, scaled",
          "sandwich": "sandwich", "sandwich_glm": "sandwich", "half": "halves", "half_width": "halves, half-width angles",
          "interleaved": "interleaved pairs", "interleaved_columns": "interleaved pairs",
-         "interleaved_tail": "interleaved pairs, last features", "silu separate": "SwiGLU", "silu fused": "SwiGLU, one gate_up",
+         "interleaved_tail": "interleaved pairs, last features", "complex": "interleaved pairs (complex angles)", "silu separate": "SwiGLU", "silu fused": "SwiGLU, one gate_up",
          "gelu separate": "GeGLU", "gelu_tanh separate": "GeGLU (tanh)", "gelu_tanh fused": "GeGLU (tanh), one gate_up",
          "silu experts": "SwiGLU experts"}
 

@@ -167,7 +167,8 @@ def _plan_loss(plan, model, name):
         return
     transform = logit_transform(model, _transformers_class(model))
     if transform is None:
-        plan.keep("loss", f"{name}.forward does more to the logits than pintail's fused head does")
+        plan.keep("loss", f"{name}.forward is not a form pintail fuses (the output head called on the last hidden "
+                          f"state, then only scaled or softcapped)")
         plan.changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
         return
     scale, softcap = transform

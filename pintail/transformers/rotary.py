@@ -73,9 +73,14 @@ def underlying(function):
     return None
 
 
+COMPLEX = ["xq", "xk", "freqs_cis"]  # Llama 4: the angles as complex numbers, a pair each
+
+
 def _arity(function):
     """2 for f(q, k, cos, sin, ...), 1 for f(x, cos, sin, ...), None for another signature."""
     names = list(inspect.signature(function).parameters)
+    if names == COMPLEX:
+        return 2
     for arity in (2, 1):
         if names[arity:arity + 2] == ["cos", "sin"] and set(names[arity + 2:]) <= KNOWN_PARAMETERS:
             return arity
@@ -91,6 +96,10 @@ def candidate(function, form):
         arguments = signature.bind(*args, **kwargs)
         arguments.apply_defaults()
         values = list(arguments.arguments.values())
+        if form == "complex":  # (batch, seq, heads, dim) as Llama 4 calls it; complex angles to cos, sin
+            freqs = arguments.arguments["freqs_cis"]
+            cos, sin = freqs.real.repeat_interleave(2, -1), freqs.imag.repeat_interleave(2, -1)
+            return apply_rotary(values[0], values[1], cos, sin, layout="bshd", interleaved=True)
         unsqueeze_dim = arguments.arguments.get("unsqueeze_dim", 1)
         if arguments.arguments.get("position_ids") is not None or unsqueeze_dim not in (1, 2):
             return function(*args, **kwargs)
@@ -116,6 +125,12 @@ def find_form(function):
     arity = _arity(function)
     if arity is None:
         return None
+    if list(inspect.signature(function).parameters) == COMPLEX:
+        ours = candidate(function, "complex")
+        freqs = torch.polar(torch.ones(2, 5, 16), torch.randn(2, 5, 16))
+        agreed = agree(function, ours, [torch.randn(2, 5, 3, 32), torch.randn(2, 5, 1, 32), freqs],
+                       differentiable=range(2))
+        return "complex" if agreed else None
     takes_layout = "unsqueeze_dim" in inspect.signature(function).parameters
     for form in FORMS:
         results = []
