@@ -12,15 +12,21 @@ from pintail.transformers import FAMILIES
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 HEADER = ["model_type", "norms", "residual add in the norm", "rotary", "gated MLP", "loss", "stays torch's"]
-WORDS = {"cast_then_weight": "cast, then weight", "weight_then_cast": "weight, then cast",
-         "one_plus_weight": "1 + weight", "optional_weight": "weight if any", "unweighted": "no weight",
-         "layer_norm": "LayerNorm", "layer_norm_one_plus": "LayerNorm, 1 + weight", "gated": "gated by SiLU",
-         "pre": "pre-norm", "pre_mlp_pair": "pre-norm", "pre_dropout": "pre-norm, dropouts", "pre_scaled": "pre-norm, scaled",
-         "sandwich": "sandwich", "sandwich_glm": "sandwich", "half": "halves", "half_width": "halves, half-width angles",
-         "interleaved": "interleaved pairs", "interleaved_columns": "interleaved pairs",
-         "interleaved_tail": "interleaved pairs, last features", "complex": "interleaved pairs (complex angles)", "silu separate": "SwiGLU", "silu fused": "SwiGLU, one gate_up",
-         "gelu separate": "GeGLU", "gelu_tanh separate": "GeGLU (tanh)", "gelu_tanh fused": "GeGLU (tanh), one gate_up",
-         "silu experts": "SwiGLU experts"}
+WORDS = {
+    "cast_then_weight": "cast, then weight", "weight_then_cast": "weight, then cast",
+    "one_plus_weight": "1 + weight",
+    "optional_weight": "weight if any", "unweighted": "no weight", "layer_norm": "LayerNorm",
+    "layer_norm_one_plus": "LayerNorm, 1 + weight", "gated": "gated by SiLU",
+    "pre": "pre-norm", "pre_mlp_pair": "pre-norm", "pre_dropout": "pre-norm, dropouts",
+    "pre_scaled": "pre-norm, scaled",
+    "sandwich": "sandwich", "sandwich_glm": "sandwich",
+    "half": "halves", "half_width": "halves, half-width angles", "interleaved": "interleaved pairs",
+    "interleaved_columns": "interleaved pairs", "interleaved_tail": "interleaved pairs, last features",
+    "complex": "interleaved pairs (complex angles)",
+    "silu separate": "SwiGLU", "silu fused": "SwiGLU, one gate_up", "gelu separate": "GeGLU",
+    "gelu_tanh separate": "GeGLU (tanh)", "gelu_tanh fused": "GeGLU (tanh), one gate_up",
+    "silu experts": "SwiGLU experts",
+}
 
 
 def _rules(parts):

@@ -244,9 +244,10 @@ def _check(summary, model_type, name, wanted, strict):
     """Warn (strict: raise) where parts stay torch's and where a family in FAMILIES differs
     from its entry; a family not in it is named as found by structure."""
     expected = FAMILIES.get(model_type)
+    differing = [part for part in summary if expected is not None and part != "torch" and part in wanted
+                 and _form(summary[part]) != expected[part]]
     problems = [f"differs from pintail's entry for {model_type}: {part}: expected {expected[part]!r}, "
-                f"found {summary[part]!r}" for part in summary
-                if expected is not None and part != "torch" and part in wanted and _form(summary[part]) != expected[part]]
+                f"found {summary[part]!r}" for part in differing]
     left = [f"{what} ({why})" for what, why in summary["torch"].items() if PART_OF[what.split()[0]] in wanted]
     if left:
         problems.append("left to torch: " + "; ".join(left))

@@ -34,7 +34,8 @@ def _random(shape):
 def agree(reference, candidate, inputs, parameters=(), *, differentiable=None, rtol=2e-5, atol=2e-5):
     """Whether candidate(*inputs) equals reference(*inputs) to float32 rounding: every output
     tensor, and the gradients of the floating inputs (those at the indices `differentiable`,
-    default all) and of `parameters` for random upstream gradients. An input the reference itself refuses proves nothing (None); any exception in
+    default all) and of `parameters` for random upstream gradients. An input the reference
+    itself refuses proves nothing (None); any exception in
     the candidate is a disagreement (False)."""
     def run(fn):
         leaves = [t.detach().clone().requires_grad_(differentiable is None or i in differentiable)
@@ -50,8 +51,8 @@ def agree(reference, candidate, inputs, parameters=(), *, differentiable=None, r
         our_leaves, our_outs = run(candidate)
     except Exception:  # a part the candidate cannot take is a part it does not replace
         return False
-    if len(our_outs) != len(ref_outs) or any(
-            o.shape != r.shape or o.dtype != r.dtype or not _close(o, r, rtol, atol) for o, r in zip(our_outs, ref_outs)):
+    if len(our_outs) != len(ref_outs) or any(o.shape != r.shape or o.dtype != r.dtype or not _close(o, r, rtol, atol)
+                                             for o, r in zip(our_outs, ref_outs)):
         return False
     flowing = [(o, r) for o, r in zip(our_outs, ref_outs) if r.requires_grad]
     if not flowing:
