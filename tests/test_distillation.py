@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import pintail
-from helpers import DTYPES
+from helpers import DTYPES, GemmFlops
 from test_linear_cross_entropy import RecordAllocations
 
 api = importlib.import_module("pintail.distillation.api")
@@ -46,10 +46,12 @@ CASES = [(0.0, "mean", True), (0.0, "none", False), (1.0, "sum", True), (1.0, "m
          (0.2, "mean", True)]
 
 
+@pytest.mark.parametrize("plan", ["chunks", "kept logits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("beta, reduction, with_target", CASES, ids=lambda v: str(v))
-def test_matches_torch(dtype, beta, reduction, with_target, device):
-    """37 rows of a (1, 37) batch in token chunks of 16 (a ragged last one), V = 300."""
+def test_matches_torch(dtype, beta, reduction, with_target, plan, device):
+    """37 rows of a (1, 37) batch in token chunks of 16 (a ragged last one), or both whole
+    logits kept from the forward to the backward; V = 300."""
     K, K_t, V = 16, 24, 300
     x, W, teacher_x, teacher_W = models((1, 37), K, K_t, V, dtype, device)
     target = torch.randint(0, V, (1, 37), device=device) if with_target else None
@@ -57,6 +59,8 @@ def test_matches_torch(dtype, beta, reduction, with_target, device):
         target[0, ::4] = -100
     element = x.element_size()
     budget = 32 * 320 * element + (320 * K * 4 if element < 4 else 0)
+    if plan == "kept logits":
+        budget = 37 * 320 * 2 * element
     options = dict(target=target, beta=beta, temperature=0.8, reduction=reduction)
     loss = pintail.linear_distillation_loss(x, W, teacher_x, teacher_W, memory_budget=budget, **options)
     x64, W64 = x.detach().double().requires_grad_(), W.detach().double().requires_grad_()
@@ -71,6 +75,30 @@ def test_matches_torch(dtype, beta, reduction, with_target, device):
     for ours, expected in ((dx, want_dx), (dW, want_dW)):
         assert ours.dtype == dtype
         assert torch.allclose(ours.double(), expected, rtol=0, atol=grad_tol * expected.abs().max().item())
+
+
+def test_kept_logits_four_gemms(device):
+    """A budget of both whole logits: two GEMMs forward (the teacher's logits made once), two
+    backward, where the token chunks make both again (six); the same loss and gradients as the
+    chunks; a second backward raises."""
+    M, K, K_t, V = 40, 16, 24, 256
+    x, W, teacher_x, teacher_W = models((M,), K, K_t, V, torch.float32, device)
+    once = 2 * M * V * (K + K_t)  # both heads' logits once
+    backward = 2 * 2 * M * V * K  # dx and dW
+    with GemmFlops() as counter:
+        loss = pintail.linear_distillation_loss(x, W, teacher_x, teacher_W, beta=0.5, memory_budget=M * V * 8)
+        grads = torch.autograd.grad(loss, (x, W), retain_graph=True)
+    assert counter.flops == once + backward
+    with GemmFlops() as counter:  # the token chunks' ops, whose GEMMs run inside them
+        rows = api._forward(x.detach(), W.detach(), teacher_x.detach(), teacher_W.detach(), None, -100, 0.5, 1.0, 16)
+        grads2 = api._backward(torch.full((M,), 1.0 / M, device=device), x.detach(), W.detach(), teacher_x.detach(),
+                               teacher_W.detach(), None, -100, 0.5, 1.0, 16, True, True)
+    assert counter.flops == 2 * once + backward
+    torch.testing.assert_close(loss, rows.mean())
+    for g, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="second backward through a call whose memory_budget kept the logits"):
+        torch.autograd.grad(loss, (x, W))
 
 
 def test_teacher_gets_no_gradient(device):

@@ -113,6 +113,56 @@ def _backward_of_op(ctx, grad):
 _forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
+class _KeptLogits(torch.autograd.Function):
+    """The budget holds both heads' whole logits: the forward keeps them (two GEMMs), and the
+    backward writes the student's gradient over its logits and takes dx and dW from it: four
+    GEMMs, where the token chunks make both logits again (six); the teacher's logits are
+    made once. Eager only: under torch.compile the write into a tensor the forward kept would
+    be copied by functionalization."""
+
+    @staticmethod
+    def forward(ctx, x, linear_weight, teacher_x, teacher_weight, target, options):
+        ignore_index, beta, temperature = options
+        M, V = x.shape[0], linear_weight.shape[0]
+        loss = x.new_empty(M, dtype=torch.promote_types(x.dtype, torch.float32))
+        head, _ = chunks.padded_head(linear_weight, None, x.dtype)
+        teacher_head, _ = chunks.padded_head(teacher_weight, None, teacher_x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            student, teacher = x @ head.t(), teacher_x @ teacher_head.t()
+            _rows(student[:, :V], teacher[:, :V], target, ignore_index, beta, temperature, loss)
+        ctx.save_for_backward(x, linear_weight, target)
+        ctx.logits, ctx.options = (student, teacher), options
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.logits is None:
+            raise RuntimeError(f"{NAME}: a second backward through a call whose memory_budget kept the logits (the "
+                               f"gradient was written over them); use a smaller budget with retain_graph")
+        x, linear_weight, target = ctx.saved_tensors
+        (student, teacher), ctx.logits = ctx.logits, None
+        ignore_index, beta, temperature = ctx.options
+        V = linear_weight.shape[0]
+        compute = torch.promote_types(x.dtype, torch.float32)
+        need = ctx.needs_input_grad
+        with torch.autocast(x.device.type, enabled=False):
+            _rows(student[:, :V], teacher[:, :V], target, ignore_index, beta, temperature,
+                  x.new_empty(x.shape[0], dtype=compute), grad.to(compute).contiguous())
+            dx = student @ chunks.padded_head(linear_weight, None, x.dtype)[0] if need[0] else None
+            dW = (student.t() @ x)[:V].to(linear_weight.dtype) if need[1] else None
+        return (*no_second_derivative((dx, dW), x, linear_weight, grad), None, None, None, None)
+
+
+def _keeps_logits(x, linear_weight, teacher_x, memory_budget):
+    """Whether the budget holds both whole logits and a backward will want them (eager)."""
+    if memory_budget is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    if not (x.requires_grad or linear_weight.requires_grad):
+        return False
+    return memory_budget >= x.shape[0] * buffer_columns(linear_weight.shape[0]) * (x.element_size()
+                                                                                    + teacher_x.element_size())
+
+
 def linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight, *, target=None, beta=0.0,
                              temperature=1.0, ignore_index=-100, reduction="mean", memory_budget=None):
     """The divergence between a teacher's and a student's distributions over the vocabulary,
@@ -128,7 +178,9 @@ def linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight
     - target (*): rows whose target is ignore_index are left out (no target: every row counts).
     - reduction: "mean" over the counted rows, "sum", or "none" (per row, float32).
     - memory_budget: bytes of workspace (a chunk of rows of both logits, and the float32 sum
-      of dW for a 16-bit student head): as many rows a chunk as fit; None: 1024 rows.
+      of dW for a 16-bit student head): as many rows a chunk as fit; None: 1024 rows. A
+      budget that holds both whole logits keeps them from the forward to the backward in
+      eager mode (four GEMMs, the teacher's logits made once; a second backward then raises).
     The rows go in token chunks over the whole vocabulary: the forward runs both GEMMs of a
     chunk and a kernel over the pair of rows; the backward runs them again, writes the
     student's gradient over its logits and takes dx and dW from it (six GEMMs in all).
@@ -156,10 +208,14 @@ def linear_distillation_loss(input, linear_weight, teacher_input, teacher_weight
     x = input.reshape(M, K)
     teacher_x = teacher_input.reshape(M, teacher_input.shape[-1])
     buffers = 1 + teacher_x.element_size() / x.element_size()
-    rows = head_rows(NAME, M, V, K, x, linear_weight, memory_budget, buffers)
     t = target.reshape(-1).contiguous() if target is not None else None
-    per_row = _forward_op(x, linear_weight, teacher_x.detach(), teacher_weight.detach(), t, ignore_index,
-                          float(beta), float(temperature), rows)
+    if _keeps_logits(x, linear_weight, teacher_x, memory_budget):
+        per_row = _KeptLogits.apply(x, linear_weight.contiguous(), teacher_x.detach(), teacher_weight.detach(), t,
+                                    (ignore_index, float(beta), float(temperature)))
+    else:
+        rows = head_rows(NAME, M, V, K, x, linear_weight, memory_budget, buffers)
+        per_row = _forward_op(x, linear_weight, teacher_x.detach(), teacher_weight.detach(), t, ignore_index,
+                              float(beta), float(temperature), rows)
     if reduction == "none":
         return per_row.reshape(input.shape[:-1])
     if reduction == "sum":
