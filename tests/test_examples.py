@@ -26,3 +26,25 @@ def test_train_causal_lm_runs(mode, device, tmp_path, capsys):
     assert len(rows) == 2
     first_losses, last_losses = {float(r[2]) for r in rows}, {float(r[3]) for r in rows}
     assert len(first_losses) == 1 and len(last_losses) == 1, rows  # the same to 4 decimals
+
+
+def test_train_bench_rows(device, tmp_path):
+    """tools/train_bench.py runs each provider in a process of its own and writes one JSON row
+    each, whose losses after the same steps from the same weights agree."""
+    import json
+    import subprocess
+    import sys
+
+    tool = EXAMPLE.parents[1] / "tools" / "train_bench.py"
+    out = tmp_path / "train.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]),
+                                                                    os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, str(tool), "--width", "tiny", "--device", device.type, "--models",
+                           "llama-3.2-1b", "--providers", "eager,pintail", "--dtype", "fp32", "--batch", "2", "--seq",
+                           "16", "--steps", "2", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["provider"] for row in rows] == ["eager", "pintail"]
+    assert {row["model"] for row in rows} == {"llama-3.2-1b-tiny"} and all(row["tokens_per_s"] > 0 for row in rows)
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-3, rows
