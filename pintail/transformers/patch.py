@@ -274,10 +274,3 @@ def _merge(old, new):
     merged = {part: (dict(old[part], **new[part]) if isinstance(new[part], dict) else new[part] or old[part])
               for part in new}
     return merged
-
-
-def summary_of(model):
-    """What pintail.patch did to `model` (its summary), or None if it was not patched."""
-    return getattr(model, "pintail_summary", None)
-
-
