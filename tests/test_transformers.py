@@ -343,3 +343,22 @@ def test_layer_of_another_form_stays_with_a_warning(device, monkeypatch):
     assert "residual LlamaDecoderLayer" in model.pintail_summary["torch"]
     layer = model.model.layers[0]
     assert "forward" not in vars(layer) and "forward" in vars(layer.post_attention_layernorm)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_norm_rule_with_a_wider_weight(weight_dtype, device):
+    """bf16 activations beside a float32 weight (autocast over float32 weights): Llama's rule
+    rounds the normalised row to bf16 before the weight multiplies it, and so does the patched
+    norm; the output float32, as Llama's. With a bf16 weight, within one bf16 step."""
+    model = pintail.patch(tiny_model("llama").to(device))
+    norm = model.model.norm.to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 7, HIDDEN, device=device, dtype=torch.bfloat16)
+    got = norm(x)
+    expected = type(norm).forward(norm, x)  # the class's own forward: torch's
+    assert got.dtype == expected.dtype == torch.promote_types(weight_dtype, torch.bfloat16)
+    torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-5)
+    if weight_dtype == torch.float32:  # a sum in another order may move a boundary entry one step
+        apart = (got - expected).abs() > 1e-6 * expected.abs()
+        assert apart.float().mean() <= 0.01, apart.sum()

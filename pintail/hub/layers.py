@@ -12,14 +12,17 @@ from ..rotary import apply_rotary
 class RMSNorm(nn.Module):
     """transformers' `@use_kernel_forward_from_hub("RMSNorm")` modules (Llama's rule, which all
     133 such classes in transformers 5.25 have): weight * normalised(x).to(x.dtype), in the
-    dtype those two promote to; a weight wider than x multiplies normalised(x) unrounded."""
+    dtype those two promote to."""
 
     can_torch_compile = True  # pintail's ops are torch.library ops with fake implementations
     has_backward = True
 
     def forward(self, hidden_states):
-        return rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon,
-                        out_dtype=torch.promote_types(self.weight.dtype, hidden_states.dtype))
+        shape, dtype = (hidden_states.shape[-1],), hidden_states.dtype
+        if torch.promote_types(self.weight.dtype, dtype) == dtype:
+            return rms_norm(hidden_states, shape, self.weight, self.variance_epsilon, out_dtype=dtype)
+        # a wider weight (float32 beside 16-bit activations) multiplies the row rounded to their dtype
+        return self.weight * rms_norm(hidden_states, shape, None, self.variance_epsilon)
 
 
 class ApplyRotaryPosEmb(nn.Module):

@@ -20,8 +20,18 @@ def _sum_dtype(x, residual):
 def cast_then_weight(self, x, residual=None):
     """Llama: weight * normalised(x).to(x.dtype), in the dtype those two promote to. With a
     residual (a fused decoder layer): the norm of residual + x, and that sum."""
-    return rms_norm(x, (x.shape[-1],), self.weight, _eps(self), residual=residual,
-                    out_dtype=torch.promote_types(self.weight.dtype, _sum_dtype(x, residual)))
+    return _llama_rule(x, residual, self.weight, _eps(self))
+
+
+def _llama_rule(x, residual, weight, eps):
+    """weight * normalised(x).to(x.dtype): one kernel where the weight is no wider than x; a
+    wider weight (float32 beside 16-bit activations, as under autocast) multiplies the
+    normalised row rounded to x's dtype first, as the rule does, in a second op."""
+    dtype = _sum_dtype(x, residual)
+    if torch.promote_types(weight.dtype, dtype) == dtype:
+        return rms_norm(x, (x.shape[-1],), weight, eps, residual=residual, out_dtype=dtype)
+    out = rms_norm(x, (x.shape[-1],), None, eps, residual=residual, out_dtype=dtype)
+    return (weight * out[0], out[1]) if residual is not None else weight * out
 
 
 def weight_then_cast(self, x, residual=None):
@@ -50,8 +60,7 @@ def optional_weight(self, x, residual=None):
 def gated(self, x, gate=None):
     """Qwen3-Next's gated norm: (weight * normalised(x).to(x.dtype)) * silu(gate), in float32,
     then x's dtype: the norm's output goes into pintail.swiglu as its `up`."""
-    normed = rms_norm(x, (x.shape[-1],), self.weight, _eps(self),
-                      out_dtype=torch.promote_types(self.weight.dtype, x.dtype))
+    normed = _llama_rule(x, None, self.weight, _eps(self))
     if gate is None:
         return normed
     common = torch.promote_types(gate.dtype, normed.dtype)
