@@ -43,11 +43,7 @@ def layer_form(layer_class):
     """The LAYER_FORMS entry the layer's forward is, or None: the input norm, attention called
     with each of the layer's arguments by its own name, then the form's statements."""
     function = inspect.unwrap(layer_class.forward)
-    try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
-    except (OSError, TypeError, SyntaxError):
-        return None
-    body = [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
+    body = _statements(layer_class)
     if [ast.unparse(stmt) for stmt in body[:2]] != LAYER_HEAD or len(body) < 3:
         return None
     call = body[2].value if isinstance(body[2], ast.Assign) else None
@@ -66,12 +62,17 @@ def layer_form(layer_class):
 
 def starts_as_pre_norm(layer_class) -> bool:
     """Whether the layer's forward opens as a pre-norm block (its residual adds could feed a norm)."""
+    return [ast.unparse(stmt) for stmt in _statements(layer_class)[:2]] == LAYER_HEAD
+
+
+def _statements(layer_class):
+    """The statements of the layer's forward, docstrings left out ([] where its source is not
+    to be had)."""
     try:
         body = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(layer_class.forward)))).body[0].body
     except (OSError, TypeError, SyntaxError):
-        return False
-    body = [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
-    return [ast.unparse(stmt) for stmt in body[:2]] == LAYER_HEAD
+        return []
+    return [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
 
 
 def layer_forward(layer_class, form):

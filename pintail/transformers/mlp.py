@@ -41,7 +41,6 @@ def mlp_forward(form, activation):
     else:
         def forward(self, x):
             return self.down_proj(act(self.gate_proj(x), self.up_proj(x), **options))
-    forward.pintail_activation = activation
     return forward
 
 
@@ -60,13 +59,8 @@ def find_activation(cls, module, form, hint=None):
         children.update(gate_proj=small("gate_proj", hidden, inner), up_proj=small("up_proj", hidden, inner))
     probe = stand_in(module, children)
     parameters = [p for child in children.values() for p in child.parameters()]
-    x = _wide_range(2, 3, hidden)
-    order = sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint))
-    for name in order:
-        candidate = mlp_forward(form, name)
-        if agree(lambda t: cls.forward(probe, t), lambda t: candidate(probe, t), [x], parameters):
-            return name
-    return None
+    return _first_agreeing(lambda t: cls.forward(probe, t), lambda name: mlp_forward(form, name), probe,
+                           _wide_range(2, 3, hidden), parameters, hint)
 
 
 def gate_function(activation):
@@ -76,7 +70,6 @@ def gate_function(activation):
 
     def apply_gate(self, gate_up):
         return act(gate_up, **options)
-    apply_gate.pintail_activation = activation
     return apply_gate
 
 
@@ -85,11 +78,16 @@ def find_gate_activation(cls, module, hint=None):
     a copy of the module without its parameters: the gate reads none), or None."""
     probe = copy.copy(module)
     probe._parameters = {}
-    x = _wide_range(5, 2 * 12)
-    order = sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint))
-    for name in order:
-        candidate = gate_function(name)
-        if agree(lambda t: cls._apply_gate(probe, t), lambda t: candidate(probe, t), [x]):
+    return _first_agreeing(lambda t: cls._apply_gate(probe, t), gate_function, probe, _wide_range(5, 2 * 12), (),
+                           hint)
+
+
+def _first_agreeing(reference, method_for, probe, x, parameters, hint):
+    """The first activation (the config's hint first) whose method, on probe, agrees with
+    reference on x, or None."""
+    for name in sorted(ACTIVATIONS, key=lambda name: name != HINTS.get(hint)):
+        method = method_for(name)
+        if agree(reference, lambda t: method(probe, t), [x], parameters):
             return name
     return None
 

@@ -103,13 +103,14 @@ def _plan_residual(plan, decoder, rules):
 def _plan_mlp(plan, decoder, config):
     found = {}
     hint = _config_value(config, "hidden_activation") or _config_value(config, "hidden_act")
+    hint = hint if isinstance(hint, str) else None
     for m in decoder.modules():
         form = mlps.gated_mlp_form(m)
         cls = _transformers_class(m)
         if form is None or cls is None:
             continue
         if cls not in found:
-            found[cls] = mlps.find_activation(cls, m, form, hint if isinstance(hint, str) else None)
+            found[cls] = mlps.find_activation(cls, m, form, hint)
             if found[cls] is None:
                 plan.keep(f"mlp {cls.__name__}", "its activation has no pintail kernel")
             else:
@@ -123,7 +124,7 @@ def _plan_mlp(plan, decoder, config):
         if cls is None or not callable(getattr(cls, "_apply_gate", None)) or not getattr(m, "has_gate", False):
             continue
         if cls not in gates:
-            gates[cls] = mlps.find_gate_activation(cls, m, hint if isinstance(hint, str) else None)
+            gates[cls] = mlps.find_gate_activation(cls, m, hint)
             if gates[cls] is None:
                 plan.keep(f"experts {cls.__name__}", "its gate has no pintail kernel")
             else:

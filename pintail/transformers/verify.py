@@ -6,24 +6,19 @@ import copy
 import torch
 
 
-def stand_in(module, parameters):
+def stand_in(module, children):
     """A shallow copy of `module` whose parameters (and buffers) are fresh random float32 CPU
     tensors: the module's own code runs on it wherever the module itself lives (a GPU, the
-    meta device, shards of FSDP2), and nothing of the module is touched. `parameters` maps a
-    parameter or child name to a shape (a tensor) or a module (a child): the child modules a
-    forward calls are replaced by small ones, so that a large layer is tried at small width."""
+    meta device, shards of FSDP2), and nothing of the module is touched. `children` maps a
+    child's name to a small module put in its place, so that a large layer is tried at small
+    width."""
     probe = copy.copy(module)
     probe._parameters = {name: torch.nn.Parameter(_random(p.shape)) if p is not None else None
                          for name, p in module._parameters.items()}
     probe._buffers = {name: b.detach().to("cpu", torch.float32) if b is not None and b.dtype.is_floating_point
                       else b for name, b in module._buffers.items()}
-    probe._modules = dict(module._modules)
+    probe._modules = {**module._modules, **children}
     probe._forward_hooks, probe._forward_pre_hooks = {}, {}
-    for name, value in parameters.items():
-        if isinstance(value, torch.nn.Module):
-            probe._modules[name] = value
-        else:
-            probe._parameters[name] = torch.nn.Parameter(_random(value))
     return probe
 
 
