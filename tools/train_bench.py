@@ -151,7 +151,7 @@ def main(argv=None):
     if args.one:
         print("ROW " + json.dumps(run_one(*args.one, args)), flush=True)
         return 0
-    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passed = list(argv if argv is not None else sys.argv[1:])
     status = 0
     for model_name in args.models.split(","):
         for provider in args.providers.split(","):
