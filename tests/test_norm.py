@@ -576,6 +576,16 @@ def test_layer_norm_of_rows_with_a_large_mean(N, plan, device):
     check("layer", x, (N,), torch.randn(N, device=device), torch.randn(N, device=device), factor=4)
 
 
+@pytest.mark.parametrize("plan", ["rows", "long"], indirect=True)  # split: float32 slice sums (design.md)
+@pytest.mark.parametrize("N", [3000, 4097])
+def test_layer_norm_output_keeps_a_large_mean_exact(N, plan, device):
+    """The mean of 1000 + 0.1 randn rounds to float32 by up to 3e-5, which x^ = (x - mean) * 10
+    would carry as 3e-4: the kernels keep it as a float32 pair, so x^ is float32-accurate."""
+    x = torch.randn(16, N, device=device) * 0.1 + 1000.0
+    y, stats = pintail.layer_norm(x, (N,)), F.layer_norm(x.double(), (N,))
+    assert (y.double() - stats).abs().max().item() < 2e-5
+
+
 @pytest.mark.parametrize("N", [2048, 3000, 4097])  # 2048: the library's row as one chunk of the long plan
 def test_layer_norm_of_rows_whose_first_value_stands_out(N, plan, device):
     """The sums run on x - x[0]: a first value 1000 from the rest (spread 1) makes them large,

@@ -38,6 +38,7 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         x_tail, tail_mask = _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, tail_cols, N, x_row_stride,
                                         residual_row_stride, h_row_stride, HAS_RESIDUAL, EVEN)
     mean = tl.zeros((BLOCK_M,), tl.float32)  # RMS
+    mean_error = mean
     if RMS:
         var = tl.sum(x * x, axis=1)
         if TAIL > 0:
@@ -49,25 +50,26 @@ def _forward_rows_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
         if TAIL > 0:
             squares, sums = _add_pairs(squares, sums, *_shifted_sums(x_tail, pilot[:, None], tail_mask, 1))
         shifted_mean, var, flagged = _moments(squares, sums, inv_n)
-        mean = pilot + shifted_mean
+        mean, mean_error = _two_sum(pilot, shifted_mean)
         if tl.max(flagged.to(tl.int32), axis=0) > 0:  # rare: the deviations, from the registers
             deviations, drift = _deviation_sums(x, mean[:, None], mask, 1)
             if TAIL > 0:
                 deviations, drift = _add_pairs(deviations, drift,
                                                *_deviation_sums(x_tail, mean[:, None], tail_mask, 1))
-            exact_mean, exact_var = _corrected(mean, deviations, drift, inv_n)
+            exact_mean, exact_error, exact_var = _corrected(mean, deviations, drift, inv_n)
             mean = tl.where(flagged, exact_mean, mean)
+            mean_error = tl.where(flagged, exact_error, mean_error)
             var = tl.where(flagged, exact_var, var)
         if STATS:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(var + eps)
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
-                      RMS, HAS_WEIGHT, HAS_BIAS, HEAD_IN_ROW)
+    _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, mean_error, rstd, rows, cols, mask, N, y_row_stride,
+                      weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, HEAD_IN_ROW)
     if TAIL > 0:
-        _write_rows_piece(y_ptr, w_ptr, b_ptr, x_tail, mean, rstd, rows, tail_cols, tail_mask, N, y_row_stride,
-                          weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
+        _write_rows_piece(y_ptr, w_ptr, b_ptr, x_tail, mean, mean_error, rstd, rows, tail_cols, tail_mask, N,
+                          y_row_stride, weight_offset, RMS, HAS_WEIGHT, HAS_BIAS, EVEN)
 
 
 @triton.jit
@@ -87,12 +89,13 @@ def _rows_piece(x_ptr, residual_ptr, h_ptr, rows, row_mask, cols, N, x_row_strid
 
 
 @triton.jit
-def _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, rstd, rows, cols, mask, N, y_row_stride, weight_offset,
-                      RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WHOLE: tl.constexpr):
+def _write_rows_piece(y_ptr, w_ptr, b_ptr, x, mean, mean_error, rstd, rows, cols, mask, N, y_row_stride,
+                      weight_offset, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      WHOLE: tl.constexpr):
     """y = (x - mean) * rstd * (weight + weight_offset) + bias at the rows' columns `cols`
-    (RMS: mean 0; WHOLE: cols all in the row)."""
+    (RMS: mean 0; the mean as the pair of _two_sum; WHOLE: cols all in the row)."""
     col_mask = in_row(cols, N, WHOLE)
-    y = x * rstd[:, None] if RMS else (x - mean[:, None]) * rstd[:, None]
+    y = x * rstd[:, None] if RMS else (x - mean[:, None] - mean_error[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :] + weight_offset
     if HAS_BIAS:
@@ -150,7 +153,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             squares += chunk_squares
             sums += chunk_sums
     shifted_mean, var, flagged = _moments(squares, sums, inv_n)
-    mean = pilot + shifted_mean
+    mean, mean_error = _two_sum(pilot, shifted_mean)
     if not RMS and flagged:  # rare; s from x again, from L2 (layer_norm takes no residual)
         deviations = 0.0
         drift = 0.0
@@ -161,7 +164,7 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             chunk_deviations, chunk_drift = _deviation_sums(x, mean, mask, 0)
             deviations += chunk_deviations
             drift += chunk_drift
-        mean, var = _corrected(mean, deviations, drift, inv_n)
+        mean, mean_error, var = _corrected(mean, deviations, drift, inv_n)
     rstd = 1.0 / tl.sqrt(var + eps)
     # pass 2: the output
     for start in range(0, end, BLOCK):
@@ -171,8 +174,8 @@ def _forward_long_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mean_p
             x = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0, eviction_policy=drop).to(tl.float32)
-        y = _affine((x - mean) * rstd if not RMS else x * rstd, w_ptr, b_ptr, cols, mask, weight_offset, HAS_WEIGHT,
-                    HAS_BIAS)
+        y = _affine((x - mean - mean_error) * rstd if not RMS else x * rstd, w_ptr, b_ptr, cols, mask, weight_offset,
+                    HAS_WEIGHT, HAS_BIAS)
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     # mean / rstd last: stored before pass 2, LayerNorm's 16384 / 8 warps took 100 registers
     # on sm_90 (two programs an SM) against 71 without them, 74 stored here (three)
@@ -298,13 +301,24 @@ def _deviation_sums(x, mean, mask, axis: tl.constexpr):
 
 @triton.jit
 def _corrected(mean, squares, sums, inv_count):
-    """(mean, variance) from the deviations' sums: sum d also mends the first mean, whose
-    float32 sum of large s was off by ~1e-6 of it. Where sum d^2 overflowed (values past
-    ~1e19) the variance is inf, as torch's float32 one: rstd 0, not the NaN of inf minus a
-    correction^2 that overflowed with it."""
+    """(mean as _two_sum's pair, variance) from the deviations' sums: sum d also mends the
+    first mean, whose float32 sum of large s was off by ~1e-6 of it. Where sum d^2 overflowed
+    (values past ~1e19) the variance is inf, as torch's float32 one: rstd 0, not the NaN of
+    inf minus a correction^2 that overflowed with it."""
     correction = sums * inv_count
     var = tl.maximum(squares * inv_count - correction * correction, 0.0)
-    return mean + correction, tl.where(squares == float("inf"), float("inf"), var)
+    mean, mean_error = _two_sum(mean, correction)
+    return mean, mean_error, tl.where(squares == float("inf"), float("inf"), var)
+
+
+@triton.jit
+def _two_sum(a, b):
+    """a + b rounded to float32, and its rounding error, exactly (Knuth's TwoSum): x - (a + b)
+    is then (x - sum) - error, where x - sum is exact for x near the sum. A mean of 1000 rounds
+    by up to 3e-5, which a spread of 0.1 turns into 3e-4 of x^; torch's float32 mean has it."""
+    total = a + b
+    b_part = total - a
+    return total, (a - (total - b_part)) + (b - b_part)
 
 
 @triton.jit
@@ -448,6 +462,7 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
                                                       tl.sum(x * x, axis=0), token, CLUSTER, CLUSTER_POW2)
             exchanges += 1
             mean = 0.0
+            mean_error = 0.0
             rstd = 1.0 / tl.sqrt(squares * inv_n + eps)
         else:  # one exchange of the shifted sums about the row's first value, as the rows kernel
             squares, sums = _shifted_sums(x, pilot, mask, 0)
@@ -455,7 +470,7 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
                                                          CLUSTER_POW2)
             exchanges += 1
             shifted_mean, var, flagged = _moments(squares, sums, inv_n)
-            mean = pilot + shifted_mean
+            mean, mean_error = _two_sum(pilot, shifted_mean)
             if flagged:  # rare; every CTA has the same sums, so the whole cluster trades again
                 if BF16_HELD:
                     x = _widened_bf16(x_held)
@@ -463,11 +478,11 @@ def _forward_cluster_kernel(x_ptr, residual_ptr, h_ptr, w_ptr, b_ptr, y_ptr, mea
                 deviations, drift, token = cluster.exchange_sums(WORDS, exchanges, deviations, drift, token,
                                                                  CLUSTER, CLUSTER_POW2)
                 exchanges += 1
-                mean, var = _corrected(mean, deviations, drift, inv_n)
+                mean, mean_error, var = _corrected(mean, deviations, drift, inv_n)
             rstd = 1.0 / tl.sqrt(var + eps)
         if BF16_HELD:
             x = _widened_bf16(x_held)
-        y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, col_mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
+        y = _affine((x - mean - mean_error) * rstd, w_ptr, b_ptr, cols, col_mask, weight_offset, HAS_WEIGHT, HAS_BIAS)
         tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
             tl.store(rstd_ptr + row, rstd, mask=in_rows & (rank == 0))
