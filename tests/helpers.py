@@ -108,11 +108,12 @@ def line_aligned_rows(n, width, offset=0, dtype=torch.bfloat16, device="cpu"):
 
 
 class GemmFlops(TorchDispatchMode):
-    """2 m n k of every matrix product (mm, addmm, in place or out= too) while active."""
+    """2 m n k of every matrix product (mm, addmm, in place or out= too) while active, and
+    how many there were."""
 
     def __init__(self):
         super().__init__()
-        self.flops = 0
+        self.flops = self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -120,4 +121,5 @@ class GemmFlops(TorchDispatchMode):
             matrices = [a for a in args if isinstance(a, torch.Tensor)]  # out_dtype's overload ends in a dtype
             a, b = matrices[-2:] if name != "mm" else matrices[:2]
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.calls += 1
         return func(*args, **(kwargs or {}))

@@ -9,6 +9,7 @@ import torch
 
 from ..gated import geglu, swiglu
 from .loss import base_linear
+from .projections import joined_projection
 from .verify import agree, stand_in
 
 # name -> (pintail function, its keyword arguments)
@@ -40,6 +41,9 @@ def mlp_forward(form, activation):
             return self.down_proj(act(self.gate_up_proj(x), **options))
     else:
         def forward(self, x):
+            gate_up = joined_projection(x, self.gate_proj, self.up_proj)
+            if gate_up is not None:
+                return self.down_proj(act(gate_up, **options))
             return self.down_proj(act(self.gate_proj(x), self.up_proj(x), **options))
     return forward
 

@@ -10,7 +10,7 @@ import logging
 import types
 import warnings
 
-from . import layers, mlp as mlps, norms as norm_rules, rotary as rotaries
+from . import layers, mlp as mlps, norms as norm_rules, projections, rotary as rotaries
 from .families import FAMILIES
 from .loss import base_linear, causal_lm_loss, fused_loss_forward, logit_transform
 
@@ -36,7 +36,8 @@ class _Plan:
     """What a patch finds (the summary) and the changes that apply it."""
 
     def __init__(self):
-        self.summary = {"norms": {}, "residual": {}, "mlp": {}, "rotary": {}, "loss": None, "torch": {}}
+        self.summary = {"norms": {}, "residual": {}, "mlp": {}, "joined": {}, "rotary": {}, "loss": None,
+                        "torch": {}}
         self.changes = []
 
     def keep(self, what, why):
@@ -100,7 +101,7 @@ def _plan_residual(plan, decoder, rules):
             plan.changes.append(lambda m=m, f=forward: setattr(m, "__class__", layers.fused_layer_class(type(m), f)))
 
 
-def _plan_mlp(plan, decoder, config):
+def _plan_mlp(plan, decoder, config, join):
     found = {}
     hint = _config_value(config, "hidden_activation") or _config_value(config, "hidden_act")
     hint = hint if isinstance(hint, str) else None
@@ -118,6 +119,9 @@ def _plan_mlp(plan, decoder, config):
         if found[cls] is not None:
             forward = types.MethodType(mlps.mlp_forward(form, found[cls]), m)
             plan.changes.append(lambda m=m, forward=forward: setattr(m, "forward", forward))
+            if join and form == "separate" and projections.can_join(m.gate_proj, m.up_proj):
+                plan.summary["joined"][cls.__name__] = "gate_proj + up_proj"
+                plan.changes.append(lambda m=m: projections.join(m.gate_proj, m.up_proj))
     gates = {}
     for m in decoder.modules():
         cls = _transformers_class(m)
@@ -178,7 +182,8 @@ def _plan_loss(plan, model, name):
     plan.changes.append(lambda: setattr(model, "loss_function", causal_lm_loss))
 
 
-def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True, strict=False):
+def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True, join_projections=True,
+          strict=False):
     """Run pintail's kernels inside a Hugging Face language model (in place; returns the model,
     with what was done in `model.pintail_summary`).
 
@@ -189,6 +194,11 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True,
     - residual (with norms): in each decoder layer of a form pintail knows (pre-norm, with
       dropouts, sandwich), the residual add that feeds a norm runs in that norm's kernel.
     - mlp: gated MLPs (two projections or one fused gate_up) run pintail.swiglu / geglu.
+    - join_projections (with mlp): a gated MLP's gate_proj and up_proj weights move into one
+      storage (each parameter keeps its name, values and place in the state dict), so their
+      forward is one GEMM and their backward two, with no add of two input gradients.
+      Plain bias-free nn.Linears only (not PEFT's, FSDP2's or quantised ones); a model moved
+      or cast after the patch runs them apart again, as it does under torch.compile.
     - rotary: the model's apply_rotary_pos_emb (its form: halves, gpt-oss's half-width angles,
       GLM's interleaved pairs; partial widths) runs pintail's kernel while this model's
       attention runs (elsewhere torch's original).
@@ -207,7 +217,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True,
     model_class = _transformers_class(model)
     if model_class is None and callable(getattr(model, "get_base_model", None)):
         patch(model.get_base_model(), norms=norms, rotary=rotary, loss=loss, mlp=mlp, residual=residual,
-              strict=strict)
+              join_projections=join_projections, strict=strict)
         return model  # a PEFT model: its transformers model patched
     if model_class is None or not hasattr(model, "config"):
         raise TypeError(f"pintail.patch: expected a Hugging Face transformers model, got {type(model).__name__}")
@@ -223,7 +233,7 @@ def patch(model, *, norms=True, rotary=True, loss=True, mlp=True, residual=True,
     if "residual" in wanted:
         _plan_residual(plan, decoder, rules or _plan_norms(_Plan(), decoder))
     if "mlp" in wanted:
-        _plan_mlp(plan, decoder, model.config)
+        _plan_mlp(plan, decoder, model.config, join_projections)
     if "rotary" in wanted:
         _plan_rotary(plan, decoder)
     if "loss" in wanted:
