@@ -9,7 +9,8 @@ over) from the same seed: the same random weights and the same batches of token 
 AdamW (fused on a GPU), bf16 weights (--dtype), `--warmup` steps then `--steps` timed ones;
 tokens/s of the median timed step, the peak memory, and the loss after the last step (the
 providers' losses agree to bf16 rounding when each is right). One JSON line per run is
-printed and appended to --out: model, provider, tokens_per_s, peak_gib, gpu, loss.
+printed and appended to --out: model, provider, tokens_per_s, peak_gib, gpu, loss. --profile
+DIR writes each run's kernels (milliseconds and launches a step, by name) over 2 more steps.
 
 Providers: eager; compile (torch.compile(model)); liger (Liger-Kernel's patches, where
 installed); pintail (pintail.patch); pintail+compile; pintail+graphs (pintail.patch, the
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="", help="JSON lines file to append the rows to")
+    parser.add_argument("--patch", default="", metavar="K=V,...",
+                        help="keyword arguments for pintail.patch, e.g. join_projections=False")
+    parser.add_argument("--profile", default="", help="folder: each run's kernels over 2 more steps, a table a run")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "PROVIDER"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -70,12 +74,13 @@ def build(model_name, args):
     return model.to(device=args.device, dtype=dtype), config.vocab_size
 
 
-def prepared(model, provider):
+def prepared(model, provider, patch_options=""):
     import torch
 
     if provider.startswith("pintail"):
         import pintail
-        pintail.patch(model)
+        options = dict(item.split("=") for item in patch_options.split(",") if item)
+        pintail.patch(model, **{key: value == "True" for key, value in options.items()})
     if provider == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         _apply_liger_kernel_to_instance(model=model)
@@ -91,7 +96,7 @@ def run_one(model_name, provider, args):
     import torch
 
     model, vocab = build(model_name, args)
-    model = prepared(model, provider)
+    model = prepared(model, provider, args.patch)
     cuda = args.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, capturable=provider == "pintail+graphs")
     generator = torch.Generator().manual_seed(1)
@@ -140,10 +145,32 @@ def run_one(model_name, provider, args):
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
+    if args.profile and cuda:
+        profile(run_again=replay or step, path=os.path.join(args.profile, f"{label(model_name, args)}-{provider}.txt"))
     return {"model": label(model_name, args), "provider": provider,
             "tokens_per_s": round(args.batch * args.seq / statistics.median(seconds)),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "loss": round(loss.item(), 4)}
+
+
+def profile(run_again, path, steps=2):
+    """The kernels of `steps` more steps, by name: CUDA milliseconds a step and launches a step."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_again()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / 1000 / steps
+    lines = [f"{total:.1f} ms of kernels a step, {sum(e.count for e in kernels) // steps} launches",
+             "ms/step  launches/step  kernel"]
+    lines += [f"{e.self_device_time_total / 1000 / steps:8.2f} {e.count // steps:8d}  {e.key[:150]}" for e in kernels]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as stream:
+        stream.write("\n".join(lines) + "\n")
 
 
 def main(argv=None):

@@ -47,9 +47,15 @@ def joined_weight(a, b):
 class _JoinedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, b, joined):
-        ctx.save_for_backward(x, joined)
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype != torch.float64:  # as autocast's F.linear casts
+            dtype = torch.get_autocast_dtype(device)
+            x, joined = x.to(dtype), joined.to(dtype)
+        with torch.autocast(device, enabled=False):
+            y = F.linear(x, joined)
+        ctx.save_for_backward(x, joined)  # the backward's products in the same dtype, as autocast's
         ctx.rows = a.shape[0]
-        return F.linear(x, joined)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
