@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .bench_heads import time_ms, time_step
 
+KEEP_ALL = 2**40  # a memory_budget that holds every logit: the kept-logits plans
 # (name, M tokens, K hidden, V vocabulary)
 HEADS = [("Qwen2.5-7B", 8192, 3584, 152064), ("Llama-3.2-1B", 8192, 2048, 128256)]
 
@@ -39,12 +40,13 @@ def _providers(op):
         return advantages[len(t)]
 
     if op == "linear_log_probs":
-        def fused(x, W, t, entropy):
-            out = pintail.linear_log_probs(x, W, t, return_entropy=entropy)
+        def fused(x, W, t, entropy, memory_budget=None):
+            out = pintail.linear_log_probs(x, W, t, return_entropy=entropy, memory_budget=memory_budget)
             lp, H = out if entropy else (out, None)
             loss = -(lp * weights(t)).sum()
             return loss - 0.01 * H.sum() if entropy else loss
         providers = {"pintail": lambda x, W, t: fused(x, W, t, False),
+                     "pintail_kept": lambda x, W, t: fused(x, W, t, False, KEEP_ALL),
                      "pintail_entropy": lambda x, W, t: fused(x, W, t, True),
                      "eager": lambda x, W, t: _log_probs_composition(x, W, t, False),
                      "eager_entropy": lambda x, W, t: _log_probs_composition(x, W, t, True),
@@ -52,6 +54,8 @@ def _providers(op):
         return providers, lambda x, W, t, *_: _log_probs_composition(x, W, t, False)
     providers = {f"pintail_beta{beta}": (lambda beta: lambda x, W, xt, Wt: pintail.linear_distillation_loss(
         x, W, xt, Wt, beta=beta))(beta) for beta in (0.0, 0.5)}
+    providers["pintail_kept_beta0.5"] = lambda x, W, xt, Wt: pintail.linear_distillation_loss(
+        x, W, xt, Wt, beta=0.5, memory_budget=KEEP_ALL)
     providers["eager_beta0.5"] = lambda x, W, xt, Wt: _distillation_composition(x, W, xt, Wt, 0.5)
     providers["compile_beta0.5"] = torch.compile(lambda x, W, xt, Wt: _distillation_composition(x, W, xt, Wt, 0.5),
                                                  dynamic=False)
@@ -90,7 +94,7 @@ def run(op, providers=None):
         for provider, fn in fns.items():
             if providers and provider not in providers:
                 continue
-            comparable = provider.endswith("beta0.5") or provider in ("pintail", "eager", "compile")
+            comparable = provider.endswith("beta0.5") or provider in ("pintail", "pintail_kept", "eager", "compile")
             row = time_step(provider, fn, x, W, others, (reference, ref_dx, ref_dW), gemms, comparable)
             if row is not None:
                 results.append(dict(op=op, head=name, M=M, K=K, V=V, provider=provider, **row))
