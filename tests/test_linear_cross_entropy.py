@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pintail
-from helpers import DTYPES, RTOL, GemmFlops
+from helpers import DTYPES, RTOL, GemmFlops, assert_matches
 
 api = importlib.import_module("pintail.linear_cross_entropy.api")
 chunks = importlib.import_module("pintail._loss.chunks")
@@ -587,6 +587,31 @@ def test_token_chunks_within_budget(dtype, rows, device):
     if sums and device.type == "cpu":
         small += loss_plans.CPU_ACCUMULATE_COLUMNS * (rows + V + K + rows) * 4
     assert record.peak <= budget + small, (record.peak, budget, small)
+
+
+@pytest.mark.kernels_only
+def test_token_chunks_narrow_their_sums_in_place(device):
+    """bf16 dx and dW: the backward scales the float32 sums and rounds them over the first half
+    of their own bytes, so no second weight-sized tensor is made (Llama-3.2-1B's head held
+    1.5 GiB at once for it, now 1); the gradients as float64 torch's, for a gradient of 0.3."""
+    M, K, V = 300, 8, 1000
+    x = torch.randn(M, K, device=device).bfloat16().requires_grad_()
+    W = (torch.randn(V, K, device=device) / K**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (M,), device=device)
+    budget = plans.token_workspace(64, M, V, K, 2, True, True)
+    assert plans.choose(M, V, K, 2, budget, gradients=True, uniform_rows=True, can_keep=True, sums_dx=True,
+                        sums_dW=True) == plans.Plan("tokens", 64)
+    with RecordAllocations(x, W, t) as record:
+        (pintail.linear_cross_entropy(x, W, t, memory_budget=budget) * 0.3).backward()
+    assert [n for n, _, _ in record.storages.values() if n >= V * K * 2] == [plans.buffer_columns(V) * K * 4]
+    assert W.grad.untyped_storage().nbytes() == plans.buffer_columns(V) * K * 4
+    assert x.grad.untyped_storage().nbytes() == M * K * 4
+    x64, W64 = (v.detach().double().requires_grad_() for v in (x, W))
+    truth = torch.autograd.grad(F.cross_entropy(F.linear(x64, W64), t) * 0.3, (x64, W64))
+    x32 = x.detach().float().requires_grad_()
+    (same,) = torch.autograd.grad(F.cross_entropy(F.linear(x32, W.detach().float()), t) * 0.3, x32)
+    assert_matches(x.grad, truth[0], same.bfloat16())
+    assert_matches(W.grad, truth[1], W.grad)
 
 
 @pytest.mark.kernels_only
