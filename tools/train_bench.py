@@ -69,9 +69,10 @@ def build(model_name, args):
     class_name, sizes = MODELS[model_name]
     config = getattr(transformers, class_name)(**(dict(sizes, **TINY) if args.width == "tiny" else sizes))
     torch.manual_seed(0)  # attention as transformers picks it (SDPA; eager for Gemma 2's softcapped scores)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device(args.device):  # initialised where it runs: seconds, not a CPU minute for 1B parameters
+        model = transformers.AutoModelForCausalLM.from_config(config)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    return model.to(device=args.device, dtype=dtype), config.vocab_size
+    return model.to(dtype=dtype), config.vocab_size
 
 
 def prepared(model, provider, patch_options=""):
