@@ -589,6 +589,17 @@ def test_token_chunks_within_budget(dtype, rows, device):
     assert record.peak <= budget + small, (record.peak, budget, small)
 
 
+@pytest.mark.parametrize("rows, cols, scale", [(1000, 37, "row"), (3, 5, "one"), (70000, 3, "one"), (1, 4, "row"),
+                                              (600, 1, None)])
+def test_narrowed_in_place(rows, cols, scale, device):
+    """chunks.narrowed: total * scale in bf16 over total's own first bytes, as torch rounds it."""
+    total = torch.randn(rows + 5, cols, device=device)[:rows]  # a slice of a larger sum, as dW_sum[:V]
+    factor = {"row": torch.rand(rows, 1, device=device), "one": torch.rand(1, device=device), None: None}[scale]
+    want = (total if factor is None else total * factor).to(torch.bfloat16)
+    got = chunks.narrowed(total, torch.bfloat16, factor)
+    assert got.data_ptr() == total.data_ptr() and torch.equal(got, want)
+
+
 @pytest.mark.kernels_only
 def test_token_chunks_narrow_their_sums_in_place(device):
     """bf16 dx and dW: the backward scales the float32 sums and rounds them over the first half

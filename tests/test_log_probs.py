@@ -15,6 +15,7 @@ from test_linear_cross_entropy import RecordAllocations
 
 api = importlib.import_module("pintail.log_probs.api")
 chunks = importlib.import_module("pintail._loss.chunks")
+loss_plans = importlib.import_module("pintail._loss.plans")
 
 OPTIONS = [dict(), dict(temperature=0.7), dict(softcap=5.0, return_entropy=True),
            dict(temperature=1.3, return_entropy=True), dict(temperature=0.8, softcap=3.0, return_entropy=True)]
@@ -186,6 +187,25 @@ def test_linear_log_probs_workspace_and_launches(device, monkeypatch):
     assert all(elements < M * V for _, elements, _ in record.workspace(lp, H, *grads))
     assert record.peak <= budget + 4 * (3 * M + 4 * M) + V * K * 4 + M * K * 4  # + rows' outputs, dW and dx
     assert launched == ["_forward_kernel"] * 3 + ["_backward_kernel"] * 3
+
+
+@pytest.mark.kernels_only
+def test_linear_log_probs_narrows_its_dW_sum_in_place(device, monkeypatch):
+    """A bf16 head's gradient is rounded over the first half of its float32 sum's bytes (no
+    second (V, K) tensor held beside the sum), to the same bits as a copy."""
+    M, K, V = 40, 16, 256
+    x, W, _ = head(M, K, V, torch.bfloat16, device)
+    t = targets((M,), V, device)
+    signs = torch.linspace(-1, 1, M, device=device)
+
+    def gradient():
+        return torch.autograd.grad((pintail.linear_log_probs(x, W, t) * signs).sum(), W)[0]
+
+    dW = gradient()
+    assert dW.dtype == torch.bfloat16 and dW.untyped_storage().nbytes() == loss_plans.buffer_columns(V) * K * 4
+    monkeypatch.setattr(chunks, "narrowed", lambda total, dtype, scale=None: total.to(dtype))
+    copied = gradient()
+    assert copied.untyped_storage().nbytes() == V * K * 2 and torch.equal(dW, copied)
 
 
 @pytest.mark.parametrize("entropy", [False, True])

@@ -173,6 +173,39 @@ def head_gradients(grad, x, linear_weight, linear_bias, target, weight, stats, o
     return dx.to(x.dtype), dW, db
 
 
+def narrowed(total, dtype, scale=None, head_rows=256):
+    """total (a float32 sum) times scale ((rows, 1): a value a row; else one value; None: 1)
+    in `dtype`. A 16-bit result is written over the first half of total's own bytes and
+    returned as a view of them, so the float32 sum and its 16-bit copy (a head's dW: 1 and
+    0.5 GiB at Llama-3.2-1B) are never both held. Rows [r, 2r) at a time: their 16-bit bytes
+    cover only float32 rows below r, already read; the first head_rows through a copy. It
+    aliases total: eager, or inside an op whose total is its own."""
+    def scaled(a, b, out=None):
+        part = total[a:b]
+        if scale is None:
+            return part.to(dtype) if out is None else out.copy_(part)
+        factor = scale[a:b] if scale.dim() == 2 else scale
+        return (part * factor).to(dtype) if out is None else torch.mul(part, factor, out=out)
+
+    if not total.numel() or (scale is not None and not scale.numel()):  # no rows: the sums are 0 already
+        return total.to(dtype)
+    if dtype == total.dtype:
+        return total if scale is None else total.mul_(scale)
+    if torch.finfo(dtype).bits != 16 or total.dtype != torch.float32 or not total.is_contiguous():
+        return scaled(0, total.shape[0])
+    narrow = total.view(-1).view(dtype)[:total.numel()].view(total.shape)
+    rows = total.shape[0]
+    head = min(rows, head_rows)
+    first = scaled(0, head)
+    start = head
+    while start < rows:
+        end = min(2 * start, rows)
+        scaled(start, end, out=narrow[start:end])
+        start = end
+    narrow[:head].copy_(first)
+    return narrow
+
+
 def token_chunks(x, head, bias, rows):
     """(row slice, logits) of each chunk of `rows` rows of x in turn: x[rows] head^T + bias,
     over all of the head's rows (padded_head's: a multiple of 64), into one reused buffer."""

@@ -81,7 +81,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, linear_weight: torch.Tensor, 
                 torch.mm(student, head, out=dx[chunk])
             if need_weight:
                 chunks.add_product(dW_sum, student.t(), x[chunk])
-    return dx, dW_sum[:V].to(linear_weight.dtype) if need_weight else dW_sum
+    return dx, chunks.narrowed(dW_sum[:V], linear_weight.dtype) if need_weight else dW_sum
 
 
 _forward_op = torch.library.custom_op("pintail::linear_distillation", _forward, mutates_args=())

@@ -15,7 +15,7 @@ weights) the dW sum is the weight's gradient itself, with no other V x K buffer.
 import torch
 
 from .._core.launch import no_second_derivative
-from .._loss.chunks import add_product, fold, gradient, padded_head, token_chunks, weight_total
+from .._loss.chunks import add_product, fold, gradient, narrowed, padded_head, token_chunks, weight_total
 from .._loss.kernels import STATE_COLUMNS
 from .._loss.plans import buffer_columns
 from .plans import NAME
@@ -96,34 +96,6 @@ def _scale_fake(dx, dW, db, grad):
     return None
 
 
-def narrowed(total, scale, dtype, head_rows=256):
-    """total * scale (a row each, or one value) in `dtype`, in place: a 16-bit result is
-    written over the first half of total's own bytes and returned as a view of them, so the
-    float32 sum and its 16-bit copy (the head's dW: 1 GiB and 0.5 GiB for Llama-3.2-1B) are
-    never both held. Rows [r, 2r) at a time: their 16-bit bytes cover only float32 rows below
-    r, already read; the first head_rows through a copy. Eager only (it aliases total)."""
-    if not total.numel() or not scale.numel():  # no rows: the sums are 0 already
-        return total.to(dtype)
-    if dtype == total.dtype or torch.finfo(dtype).bits != 16 or torch.finfo(total.dtype).bits != 32:
-        return total.mul_(scale).to(dtype)
-    wide = total.view(total.shape[0], -1)
-    narrow = wide.view(-1).view(dtype)[:wide.numel()].view(wide.shape)
-    rows = wide.shape[0]
-
-    def scale_of(a, b):  # a (rows, 1) scale a row each, else one value
-        return scale[a:b] if scale.dim() == 2 else scale
-
-    head = min(rows, head_rows)
-    first = (wide[:head] * scale_of(0, head)).to(dtype)
-    start = head
-    while start < rows:
-        end = min(2 * start, rows)
-        torch.mul(wide[start:end], scale_of(start, end), out=narrow[start:end])
-        start = end
-    narrow[:head].copy_(first)
-    return narrow.view(total.shape)
-
-
 class _TokenChunks(torch.autograd.Function):
     """The row losses and stats from the forward op; its gradients of the summed loss kept
     for the backward, which scales them by the incoming row gradients in place (dx row by
@@ -153,9 +125,9 @@ class _TokenChunks(torch.autograd.Function):
             grads = (dx.to(x_dtype) if need[0] else None, dW.to(w_dtype) if need[1] else None,
                      db.to(b_dtype) if need[2] and b_dtype is not None else None)
         else:
-            grads = (narrowed(dx, grad[:, None], x_dtype) if need[0] else None,
-                     narrowed(dW, grad[:1], w_dtype) if need[1] else None,
-                     narrowed(db, grad[:1], b_dtype) if need[2] and b_dtype is not None else None)
+            grads = (narrowed(dx, x_dtype, grad[:, None]) if need[0] else None,
+                     narrowed(dW, w_dtype, grad[:1]) if need[1] else None,
+                     narrowed(db, b_dtype, grad[:1]) if need[2] and b_dtype is not None else None)
         return (*no_second_derivative(grads, *sources, grad), None, None, None, None, None)
 
 

@@ -167,7 +167,7 @@ def _head_backward(grad_lp: torch.Tensor, grad_H: torch.Tensor, x: torch.Tensor,
                 chunks.add_product(dW_sum, logits.t(), x[chunk])
             if need_bias:
                 db += logits[:, :V].sum(0, dtype=compute)
-    dW = dW_sum[:V].to(linear_weight.dtype) if need_weight else dW_sum
+    dW = chunks.narrowed(dW_sum[:V], linear_weight.dtype) if need_weight else dW_sum
     return dx, dW, db.to(linear_bias.dtype) if need_bias else db
 
 
